@@ -1,0 +1,21 @@
+"""parallelkit's exceptions: each message names the field, the numbers and a fix."""
+
+
+class ParallelkitError(Exception):
+    """Base class of every error parallelkit raises on purpose (the CLI prints these without a traceback)."""
+
+
+class MeshError(ParallelkitError, ValueError):
+    """A `mesh_shape` that cannot be built on the processes at hand."""
+
+
+class PlanError(ParallelkitError, ValueError):
+    """A model that cannot be parallelised as asked (its contract, or sizes that do not divide)."""
+
+
+class PluginError(ParallelkitError):
+    """A plugin that cannot be loaded or registered."""
+
+
+class DataError(ParallelkitError, ValueError):
+    """A corpus or batch layout that cannot feed the run."""
