@@ -19,3 +19,7 @@ class PluginError(ParallelkitError):
 
 class DataError(ParallelkitError, ValueError):
     """A corpus or batch layout that cannot feed the run."""
+
+
+class PluginWarning(UserWarning):
+    """A plugin that failed to load or clashed with another; every other plugin still loads."""

@@ -1,0 +1,136 @@
+"""The `parallelkit` command: LightningCLI's fit/validate/test/predict, plus the `env` and `plugins` tools.
+
+    parallelkit fit --config configs/ddp.yaml --trainer.max_steps=20
+    parallelkit env --mesh '[[2, 2], ["fsdp", "tp"]]' --devices 4
+    parallelkit plugins
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import sys
+from collections.abc import Callable, Sequence
+from importlib.metadata import PackageNotFoundError, version
+
+from lightning.pytorch.cli import LightningCLI
+from rich.console import Console
+from rich.table import Table
+
+import parallelkit
+from parallelkit import plugins
+from parallelkit.errors import ParallelkitError
+from parallelkit.mesh import MeshSpec
+
+TOOLS_HELP = """\
+tools (no model, no training):
+  parallelkit env [--mesh SHAPE --devices N]   versions, backends, devices, launcher env, a mesh's rank layout
+  parallelkit plugins                          every discovered strategy and comm hook, and load errors
+"""
+
+
+class ParallelkitCLI(LightningCLI):
+    """LightningCLI with parallelkit's defaults: model and datamodule given by class_path in the config, any
+    registered strategy name accepted, and the saved config overwritten on re-runs (it is a record)."""
+
+    def __init__(self, args: Sequence[str] | None = None, **kwargs: object) -> None:
+        kwargs.setdefault("save_config_kwargs", {"overwrite": True})
+        kwargs.setdefault("parser_kwargs", {"description": "parallelkit: distributed training on Lightning."})
+        super().__init__(
+            model_class=None,
+            datamodule_class=None,
+            subclass_mode_model=True,
+            subclass_mode_data=True,
+            args=args,
+            **kwargs,
+        )
+
+
+def _versions() -> dict[str, str]:
+    found = {"python": platform.python_version(), "parallelkit": parallelkit.__version__}
+    for dist in ("torch", "lightning", "jsonargparse", "torchmetrics", "wandb"):
+        try:
+            found[dist] = version(dist)
+        except PackageNotFoundError:
+            found[dist] = "not installed"
+    return found
+
+
+def env_command(argv: Sequence[str]) -> int:
+    """Print what a distributed run would see on this machine (and, given a mesh, who sits where)."""
+    parser = argparse.ArgumentParser(prog="parallelkit env", description=env_command.__doc__)
+    parser.add_argument("--mesh", help='mesh_shape to lay out, e.g. \'[[2, 2], ["fsdp", "tp"]]\'')
+    parser.add_argument("--devices", type=int, help="processes per node (default: WORLD_SIZE or 1)")
+    parser.add_argument("--num-nodes", type=int, default=1, help="number of nodes (default: 1)")
+    args = parser.parse_args(argv)
+
+    import torch
+    import torch.distributed as dist
+
+    console = Console()
+    table = Table(title="parallelkit env", show_header=False)
+    for name, ver in _versions().items():
+        table.add_row(name, ver)
+    backends = {"gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(), "mpi": dist.is_mpi_available()}
+    table.add_row("backends", ", ".join(f"{b}: {'yes' if ok else 'no'}" for b, ok in backends.items()))
+    cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    kinds = sorted({torch.cuda.get_device_name(i) for i in range(cuda)})
+    table.add_row("devices", f"cuda: {cuda}" + (f" ({', '.join(kinds)})" if kinds else "") + f"; cpu cores: {os.cpu_count()}")
+    for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        table.add_row(var, os.environ.get(var, "(unset)"))
+    console.print(table)
+
+    if args.mesh:
+        devices = args.devices or int(os.environ.get("WORLD_SIZE", 1)) // args.num_nodes
+        spec = MeshSpec.parse(args.mesh).resolve(args.num_nodes, devices)
+        layout = Table(title=f"mesh {spec}: {spec.world_size} ranks, data-parallel size {spec.dp_size}")
+        layout.add_column("rank", justify="right")
+        layout.add_column("node", justify="right")
+        for name in spec.names:
+            layout.add_column(name, justify="right")
+        layout.add_column("dp rank", justify="right")
+        for rank in range(spec.world_size):
+            coords = spec.coordinates(rank)
+            row = [str(rank), str(rank // devices), *(str(coords[n]) for n in spec.names), str(spec.dp_rank(rank))]
+            layout.add_row(*row)
+        console.print(layout)
+    return 0
+
+
+def plugins_command(argv: Sequence[str]) -> int:
+    """List every strategy and comm hook found through entry points, where it comes from, and load errors."""
+    parser = argparse.ArgumentParser(prog="parallelkit plugins", description=plugins_command.__doc__)
+    parser.parse_args(argv)
+    table = Table(title="parallelkit plugins")
+    for column in ("group", "name", "target", "distribution", "status"):
+        table.add_column(column)
+    plugins.comm_hooks()  # settles comm hook name clashes so they show as errors
+    for group in plugins.GROUPS:
+        for plugin in plugins.discover(group):
+            status = f"[red]error: {plugin.error}[/red]" if plugin.error else "ok"
+            table.add_row(group.split(".")[-1], plugin.name, plugin.target, plugin.origin, status)
+    Console(width=200).print(table)
+    return 0
+
+
+TOOLS: dict[str, Callable[[Sequence[str]], int]] = {"env": env_command, "plugins": plugins_command}
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the `parallelkit` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        if args and args[0] in TOOLS:
+            sys.exit(TOOLS[args[0]](args[1:]))
+        if not args or args[0] in ("-h", "--help"):
+            print(TOOLS_HELP)
+        # Lightning re-runs sys.argv for ranks 1..N-1, so the arguments must come from there unchanged.
+        ParallelkitCLI(args=None if argv is None else args)
+    except ParallelkitError as err:
+        print(f"parallelkit: error: {err}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

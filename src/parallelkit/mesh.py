@@ -1,0 +1,259 @@
+"""MeshSpec: the user's `mesh_shape` parsed, validated against the world, and built into a DeviceMesh.
+
+The shape is written as in the seed docs, sizes then axis names, outer to inner::
+
+    mesh_shape: [[2, 2], ["fsdp", "tp"]]
+
+Ranks are laid out row-major over the sizes, so the innermost axis (`tp`) holds consecutive ranks and
+stays inside a node.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from parallelkit.errors import MeshError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+AXES = ("pp", "replicate", "fsdp", "tp")
+"""Every axis name, in the only order they may appear (outer to inner)."""
+
+DATA_PARALLEL_AXES = ("replicate", "fsdp")
+"""Axes over which ranks see different samples; `pp` and `tp` ranks of one replica share a batch."""
+
+DATA_PARALLEL_MESH = "dp"
+"""Name of the flattened (replicate x fsdp) axis that `build` adds when both are present."""
+
+
+def _format(sizes: Sequence[int], names: Sequence[str]) -> str:
+    return json.dumps([list(sizes), list(names)])
+
+
+def _show(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except TypeError:
+        return repr(value)
+
+
+@dataclass(frozen=True)
+class MeshSpec:
+    """A validated mesh shape: one size per named axis, outer to inner.
+
+    Build it with `MeshSpec.parse` from the seed format (`[[2, 2], ["fsdp", "tp"]]`, as a Python/YAML
+    list or a JSON string), then `resolve` it against the world size before `build`.
+    """
+
+    sizes: tuple[int, ...]
+    names: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, value: MeshSpec | str | Sequence[Any]) -> MeshSpec:
+        """Parse `[[sizes...], [names...]]`; checks the form and names, not the world size (see `resolve`)."""
+        if isinstance(value, MeshSpec):
+            return value
+        text = value if isinstance(value, str) else None
+        if text is not None:
+            try:
+                value = json.loads(text)
+            except json.JSONDecodeError as err:
+                raise MeshError(
+                    f"mesh_shape {text!r} is not valid JSON ({err.msg}). Write it as sizes then axis names, "
+                    'e.g. \'[[2, 2], ["fsdp", "tp"]]\' (quote it in the shell).'
+                ) from None
+        shown = text if text is not None else _show(value)
+        if (
+            not isinstance(value, Sequence)
+            or isinstance(value, str)
+            or len(value) != 2
+            or not all(isinstance(part, Sequence) and not isinstance(part, str) for part in value)
+        ):
+            raise MeshError(
+                f"mesh_shape {shown} must be two lists, sizes then axis names, "
+                'e.g. [[2, 2], ["fsdp", "tp"]].'
+            )
+        sizes, names = list(value[0]), list(value[1])
+        if len(sizes) != len(names) or not sizes:
+            raise MeshError(
+                f"mesh_shape {shown} has {len(sizes)} sizes and {len(names)} axis names; give one size per "
+                'named axis, e.g. [[2, 2], ["fsdp", "tp"]].'
+            )
+        for name in names:
+            if name not in AXES:
+                raise MeshError(
+                    f"mesh_shape {shown} names an unknown axis {name!r}. Axis names are {', '.join(AXES)} "
+                    "(pipeline, HSDP replicate, fully sharded data parallel, tensor parallel)."
+                )
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise MeshError(
+                f"mesh_shape {shown} repeats the axis {repeated[0]!r}. Each axis appears once; to shard over "
+                f"more processes, give {repeated[0]!r} one larger size."
+            )
+        canonical = [axis for axis in AXES if axis in names]
+        if names != canonical:
+            fixed = [sizes[names.index(axis)] for axis in canonical]
+            raise MeshError(
+                f"mesh_shape {shown} lists axes as {names}; they go outer to inner as {canonical} "
+                f"(tp innermost so it stays inside a node). Fix: {_format(fixed, canonical)}."
+            )
+        for size in sizes:
+            if isinstance(size, bool) or not isinstance(size, int):
+                raise MeshError(f"mesh_shape {shown} has a size {size!r} that is not an integer.")
+        bad = [(n, s) for s, n in zip(sizes, names) if s < 1 and s != -1]
+        if bad:
+            name, size = bad[0]
+            raise MeshError(
+                f"mesh_shape {shown} gives axis {name!r} size {size}; sizes are >= 1, or -1 for one axis "
+                "to take what the others leave of the world. Drop an axis you do not use."
+            )
+        if sizes.count(-1) > 1:
+            raise MeshError(
+                f"mesh_shape {shown} has {sizes.count(-1)} sizes of -1; at most one axis can take "
+                "what is left of the world."
+            )
+        return cls(tuple(sizes), tuple(names))
+
+    def resolve(self, num_nodes: int, devices: int) -> MeshSpec:
+        """Fill a `-1` and check the product against the world (`num_nodes * devices` processes).
+
+        Warns when `tp` is larger than the processes of one node: tensor parallelism communicates in every
+        layer's forward and backward, which is slow over the network.
+        """
+        world_size = num_nodes * devices
+        world = f"{world_size} (num_nodes={num_nodes} x devices={devices})"
+        sizes = list(self.sizes)
+        if -1 in sizes:
+            known = math.prod(s for s in sizes if s != -1)
+            axis = self.names[sizes.index(-1)]
+            if world_size % known:
+                raise MeshError(
+                    f"mesh_shape {self} cannot fill {axis!r}=-1: the other axes need {known} processes, which "
+                    f"does not divide the world size {world}. Fix: {self._suggest(world_size)}."
+                )
+            sizes[sizes.index(-1)] = world_size // known
+        product = math.prod(sizes)
+        if product != world_size:
+            arithmetic = " x ".join(f"{n}={s}" for n, s in zip(self.names, sizes))
+            raise MeshError(
+                f"mesh_shape {self} needs {arithmetic} = {product} processes, but the world size is {world}. "
+                f"Fix: use mesh_shape {self._suggest(world_size)}, or launch {product} processes."
+            )
+        resolved = MeshSpec(tuple(sizes), self.names)
+        tp = resolved.size("tp")
+        if num_nodes > 1 and tp > devices:
+            warnings.warn(
+                f"mesh_shape {resolved} puts tp={tp} across nodes (devices per node = {devices}): tensor "
+                "parallelism communicates in every layer and is slow over the network. Keep tp <= devices "
+                "per node and use fsdp/replicate across nodes.",
+                stacklevel=2,
+            )
+        return resolved
+
+    def _suggest(self, world_size: int) -> str:
+        """A shape over the same axes that fits `world_size`: every other axis keeps the largest size that
+        divides what is left, inner axes first, and the outermost data-parallel axis takes the rest."""
+        names = list(self.names)
+        absorber = next((names.index(a) for a in ("fsdp", "replicate") if a in names), 0)
+        sizes = list(self.sizes)
+        left = world_size
+        for i in reversed(range(len(sizes))):
+            if i != absorber:
+                wanted = max(sizes[i], 1)
+                sizes[i] = max(d for d in range(1, min(wanted, left) + 1) if left % d == 0)
+                left //= sizes[i]
+        sizes[absorber] = left
+        return _format(sizes, names)
+
+    def size(self, axis: str) -> int:
+        """Size of `axis`, 1 when the mesh does not name it."""
+        return self.sizes[self.names.index(axis)] if axis in self.names else 1
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: replicas x shards, the number of distinct batches per step."""
+        return self.size("replicate") * self.size("fsdp")
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Coordinate of global `rank` on each axis (row-major layout)."""
+        if -1 in self.sizes:
+            raise MeshError(f"mesh_shape {self} has a -1 left; call resolve(num_nodes, devices) first.")
+        coords: dict[str, int] = {}
+        for name, size in zip(reversed(self.names), reversed(self.sizes)):
+            rank, coords[name] = divmod(rank, size)
+        return {name: coords[name] for name in self.names}
+
+    def dp_rank(self, rank: int | None = None) -> int:
+        """Index of `rank`'s batch among the `dp_size` data-parallel batches (defaults to this process)."""
+        coords = self.coordinates(current_rank() if rank is None else rank)
+        return coords.get("replicate", 0) * self.size("fsdp") + coords.get("fsdp", 0)
+
+    def build(self, device_type: str) -> DeviceMesh:
+        """Create the DeviceMesh (process groups included); needs the default process group.
+
+        When both `replicate` and `fsdp` are present, a flattened `dp` axis is added for what spans all
+        data-parallel ranks (the sampler's and metrics' group).
+        """
+        from torch.distributed.device_mesh import init_device_mesh
+
+        if -1 in self.sizes:
+            raise MeshError(f"mesh_shape {self} has a -1 left; call resolve(num_nodes, devices) first.")
+        mesh = init_device_mesh(device_type, self.sizes, mesh_dim_names=self.names)
+        if all(axis in self.names for axis in DATA_PARALLEL_AXES):
+            # Private in torch 2.13, and the only way to get one group spanning two mesh axes.
+            mesh[DATA_PARALLEL_AXES]._flatten(DATA_PARALLEL_MESH)
+        return mesh
+
+    def __str__(self) -> str:
+        return _format(self.sizes, self.names)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The sub-mesh spanning every data-parallel rank of `mesh`, or None when it has no dp axis."""
+    names = mesh.mesh_dim_names or ()
+    present = [axis for axis in DATA_PARALLEL_AXES if axis in names]
+    if len(present) == 2:
+        return mesh[DATA_PARALLEL_MESH]
+    return mesh[present[0]] if present else None
+
+
+def current_rank() -> int:
+    """Global rank of this process: from the process group if up, else from the launcher's environment."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return int(os.environ.get("RANK", 0))
+
+
+def is_main(rank: int | None = None) -> bool:
+    """True on global rank 0, the process that writes shared files and prints summaries."""
+    return (current_rank() if rank is None else rank) == 0
+
+
+def is_local_main(local_rank: int | None = None) -> bool:
+    """True on each node's local rank 0, the process that prepares node-local files."""
+    return (int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank) == 0
+
+
+def data_parallel_group(strategy: Any) -> Any:
+    """Process group over which a strategy's batches differ (for loss logging and metrics).
+
+    A strategy with a `device_mesh` gives its data-parallel sub-mesh's group; otherwise None, which torch and
+    Lightning read as the whole world: right for DDP and a single device, where every rank is data-parallel.
+    """
+    mesh = getattr(strategy, "device_mesh", None)
+    dp = data_parallel_mesh(mesh) if mesh is not None else None
+    return dp.get_group() if dp is not None else None

@@ -1,0 +1,210 @@
+"""A GPT-style decoder, small enough to read in one sitting, written to parallelkit's model contract.
+
+Tensor-parallel friendly: q, k and v are separate projections (a fused qkv split column-wise would hand a rank
+all of q and half of k), and head counts are derived from the local projection width, never hard-coded.
+Positions are rotary, applied inside attention on the full sequence, so sequence-parallel chunks of the
+residual stream need no positional bookkeeping.
+"""
+
+from __future__ import annotations
+
+import math
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torchmetrics import MeanMetric
+
+from parallelkit.mesh import data_parallel_group
+
+
+def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding of `x` shaped (batch, heads, seq, head_dim)."""
+    seq, dim = x.shape[-2], x.shape[-1]
+    inv_freq = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class Attention(nn.Module):
+    def __init__(self, n_embd: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head = n_head  # read by the planner: tp must divide it
+        self.head_dim = n_embd // n_head
+        self.q = nn.Linear(n_embd, n_embd, bias=False)
+        self.k = nn.Linear(n_embd, n_embd, bias=False)
+        self.v = nn.Linear(n_embd, n_embd, bias=False)
+        self.proj = nn.Linear(n_embd, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.q(x), self.k(x), self.v(x)
+        batch, seq, _ = q.shape
+        # -1 heads: under tensor parallelism this rank holds n_head / tp of them.
+        q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, n_embd: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(n_embd, hidden, bias=False)
+        self.down = nn.Linear(hidden, n_embd, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.gelu(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, n_embd: int, n_head: int, mlp_ratio: int) -> None:
+        super().__init__()
+        self.attn_norm = nn.RMSNorm(n_embd)
+        self.attn = Attention(n_embd, n_head)
+        self.mlp_norm = nn.RMSNorm(n_embd)
+        self.mlp = MLP(n_embd, mlp_ratio * n_embd)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(L.LightningModule):
+    """Decoder-only transformer language model (byte-level by default) that parallelkit parallelises.
+
+    Args:
+        vocab_size: Number of token ids (256 for the byte-level datamodules).
+        n_layer: Number of transformer blocks.
+        n_head: Attention heads per block; tensor parallelism needs tp to divide it.
+        n_embd: Width of the residual stream; a multiple of n_head.
+        mlp_ratio: MLP hidden width as a multiple of n_embd.
+        lr: Peak AdamW learning rate, reached after the warmup.
+        weight_decay: AdamW weight decay, applied to matrices and embeddings only (not norms).
+        betas: AdamW betas.
+        warmup_steps: Optimizer steps of linear warmup from 0 to `lr`.
+        min_lr_ratio: The cosine decay ends at `lr * min_lr_ratio` on the run's last step.
+        init_std: Standard deviation of the normal initialisation of weights.
+    """
+
+    # The parallel contract (DESIGN.md): globs over module names -> how each is split.
+    tp_plan = {
+        "tok_emb": "vocab_embedding",
+        "blocks.*.attn_norm": "sequence_parallel",
+        "blocks.*.attn.q": "colwise",
+        "blocks.*.attn.k": "colwise",
+        "blocks.*.attn.v": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp_norm": "sequence_parallel",
+        "blocks.*.mlp.up": "colwise",
+        "blocks.*.mlp.down": "rowwise",
+        "norm": "sequence_parallel",
+        "head": "vocab_head",
+    }
+    fsdp_units = ["blocks.*"]
+    pipeline_layers = ["tok_emb", "blocks.*", "norm", "head"]
+
+    def __init__(
+        self,
+        vocab_size: int = 256,
+        n_layer: int = 4,
+        n_head: int = 4,
+        n_embd: int = 128,
+        mlp_ratio: int = 4,
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+        init_std: float = 0.02,
+    ) -> None:
+        super().__init__()
+        if n_embd % n_head:
+            raise ValueError(f"GPT n_embd={n_embd} must be a multiple of n_head={n_head}.")
+        self.save_hyperparameters()
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, mlp_ratio) for _ in range(n_layer))
+        self.norm = nn.RMSNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+        self.val_loss = MeanMetric()
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """(Re)initialise every parameter; strategies call it after materialising a meta-device model."""
+        std = self.hparams.init_std
+        # Residual projections scaled down so the stream's variance does not grow with depth (GPT-2).
+        residual_std = std / math.sqrt(2 * self.hparams.n_layer)
+        for name, module in self.named_modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                out = name.endswith(("attn.proj", "mlp.down"))
+                nn.init.normal_(module.weight, mean=0.0, std=residual_std if out else std)
+            elif isinstance(module, nn.RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token cross-entropy; works on vocab-sharded logits under `loss_parallel()`."""
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+    def setup(self, stage: str) -> None:
+        # Metrics average over the data-parallel group only: tp/pp ranks of one replica hold the same batch.
+        self.val_loss.process_group = data_parallel_group(self.trainer.strategy)
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = self.pipeline_loss(self(x), y)
+        self.log(
+            "train_loss",
+            loss,
+            on_step=True,
+            prog_bar=True,
+            sync_dist=True,
+            sync_dist_group=data_parallel_group(self.trainer.strategy),
+        )
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.val_loss.update(self.pipeline_loss(self(x), y))
+
+    def on_validation_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("val_loss", loss, prog_bar=True)
+        self.log("val_ppl", loss.exp())
+
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        self.validation_step(batch, batch_idx)
+
+    def on_test_epoch_end(self) -> None:
+        loss = self.val_loss.compute()
+        self.val_loss.reset()
+        self.log("test_loss", loss)
+        self.log("test_ppl", loss.exp())
+
+    def configure_optimizers(self) -> dict:
+        hp = self.hparams
+        decay = [p for p in self.parameters() if p.ndim >= 2]
+        no_decay = [p for p in self.parameters() if p.ndim < 2]
+        optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=hp.lr,
+            betas=hp.betas,
+        )
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+
+        def schedule(step: int) -> float:
+            if step < hp.warmup_steps:
+                return (step + 1) / hp.warmup_steps
+            progress = min((step - hp.warmup_steps) / max(total - hp.warmup_steps, 1), 1.0)
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

@@ -1,0 +1,199 @@
+"""The model contract: how a LightningModule's declarations become a parallel plan.
+
+A model opts in with class attributes (see DESIGN.md, "The model contract")::
+
+    tp_plan = {"blocks.*.attn.q": "colwise", "blocks.*.attn.proj": "rowwise", ...}
+    fsdp_units = ["blocks.*"]
+    pipeline_layers = ["tok_emb", "blocks.*", "norm", "head"]
+
+Patterns are module FQNs where `*` (and any fnmatch pattern) stands for exactly one path segment. A style is
+one of `STYLES` or a torch `ParallelStyle` instance, used as given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from fnmatch import fnmatchcase
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from parallelkit.errors import PlanError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+STYLES = ("colwise", "rowwise", "sequence_parallel", "vocab_embedding", "vocab_head", "replicate")
+"""Style names a `tp_plan` may use; what each becomes depends on sequence/loss parallelism (`tp_style`)."""
+
+HEAD_COUNT_ATTRS = ("n_head", "num_heads")
+"""Attributes by which an attention module states its head count; tp must divide it."""
+
+
+def matches(pattern: str, fqn: str) -> bool:
+    """True when `fqn` matches `pattern` segment by segment (`*` never crosses a dot)."""
+    parts, names = pattern.split("."), fqn.split(".")
+    return len(parts) == len(names) and all(fnmatchcase(n, p) for p, n in zip(parts, names))
+
+
+def select(model: nn.Module, patterns: Iterable[str], field: str) -> list[tuple[str, nn.Module]]:
+    """Modules whose FQN matches one of `patterns`, in module order; a pattern matching nothing is an error."""
+    patterns = list(patterns)
+    named = [(fqn, module) for fqn, module in model.named_modules() if fqn]
+    for pattern in patterns:
+        if not any(matches(pattern, fqn) for fqn, _ in named):
+            top = ", ".join(fqn for fqn, _ in named if "." not in fqn)
+            raise PlanError(
+                f"{type(model).__name__}.{field} entry {pattern!r} matches no module. Patterns are module "
+                f"names with '*' for one path segment (e.g. 'blocks.*.attn.q'); the top-level modules are: "
+                f"{top}."
+            )
+    return [(fqn, module) for fqn, module in named if any(matches(p, fqn) for p in patterns)]
+
+
+def _replicate_style() -> ParallelStyle:
+    """Parameters become Replicate DTensors on the tp mesh; inputs/outputs stay plain tensors.
+
+    Useful for modules outside the split whose parameters should still be DTensors on the tp mesh (so
+    every gradient in a tp group is the same kind of tensor).
+    """
+    from torch.distributed.tensor import DTensor, Replicate, distribute_module
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class _Replicate(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            def wrap_inputs(_module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+                return tuple(
+                    DTensor.from_local(x, mesh, [Replicate()], run_check=False) if _plain_tensor(x) else x
+                    for x in inputs
+                )
+
+            def unwrap_outputs(_module: nn.Module, outputs: Any, _mesh: DeviceMesh) -> Any:
+                return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+            return distribute_module(module, device_mesh, input_fn=wrap_inputs, output_fn=unwrap_outputs)
+
+    return _Replicate()
+
+
+def _plain_tensor(x: Any) -> bool:
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+
+
+def tp_style(name: str, *, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle | None:
+    """The torch ParallelStyle for a style name; None means "leave the module as it is".
+
+    With sequence parallelism the residual stream between blocks is sharded on the sequence dim (Shard(1)):
+    embeddings and row-wise outputs produce it, norms compute on it, column-wise inputs gather it.
+    """
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    stream = Shard(1) if sequence_parallel else Replicate()
+    match name:
+        case "colwise":
+            return ColwiseParallel(input_layouts=stream)
+        case "rowwise":
+            return RowwiseParallel(output_layouts=stream)
+        case "sequence_parallel":
+            # Without sequence parallelism a norm sees the whole sequence on every tp rank: nothing to do.
+            return SequenceParallel() if sequence_parallel else None
+        case "vocab_embedding":
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        case "vocab_head":
+            # Loss parallelism keeps logits sharded on the vocab dim into the cross-entropy.
+            return ColwiseParallel(
+                input_layouts=stream,
+                output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                use_local_output=not loss_parallel,
+            )
+        case "replicate":
+            return _replicate_style()
+    raise PlanError(f"unknown tp_plan style {name!r}; use one of {', '.join(STYLES)} or a torch ParallelStyle.")
+
+
+def _check_divisible(model: nn.Module, fqn: str, module: nn.Module, style: str, tp: int) -> None:
+    dims: dict[str, int] = {}
+    if isinstance(module, nn.Linear):
+        dims = {"in_features": module.in_features} if style == "rowwise" else {}
+        if style in ("colwise", "vocab_head"):
+            dims = {"out_features": module.out_features}
+    elif isinstance(module, nn.Embedding) and style == "vocab_embedding":
+        dims = {"num_embeddings": module.num_embeddings}
+    for dim, size in dims.items():
+        if size % tp:
+            raise PlanError(
+                f"{type(model).__name__}.{fqn} ({style}) has {dim}={size}, which tp={tp} does not divide. "
+                f"Fix: choose a tp that divides {size}, or resize the model."
+            )
+
+
+def tensor_parallel_plan(
+    model: nn.Module, tp: int, *, sequence_parallel: bool = True, loss_parallel: bool = False
+) -> dict[str, ParallelStyle]:
+    """Expand the model's `tp_plan` globs into {module FQN: ParallelStyle}, checking sizes against `tp`."""
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    declared: Mapping[str, Any] | None = getattr(model, "tp_plan", None)
+    if not declared:
+        raise PlanError(
+            f"tensor parallelism (tp={tp}) needs {type(model).__name__}.tp_plan: a dict from module name "
+            "globs to styles, e.g. {'blocks.*.attn.q': 'colwise', 'blocks.*.attn.proj': 'rowwise'}. "
+            f"Styles: {', '.join(STYLES)}. Or use a mesh without a tp axis."
+        )
+    plan: dict[str, ParallelStyle] = {}
+    for pattern, style in declared.items():
+        for fqn, module in select(model, [pattern], "tp_plan"):
+            if isinstance(style, ParallelStyle):
+                plan[fqn] = style
+                continue
+            _check_divisible(model, fqn, module, style, tp)
+            resolved = tp_style(style, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+            if resolved is not None:
+                plan[fqn] = resolved
+    _check_head_counts(model, plan, tp)
+    return plan
+
+
+def _check_head_counts(model: nn.Module, plan: Mapping[str, Any], tp: int) -> None:
+    for fqn, module in model.named_modules():
+        heads = next((getattr(module, a) for a in HEAD_COUNT_ATTRS if isinstance(getattr(module, a, None), int)), None)
+        if heads is None or not any(p.startswith(f"{fqn}.") for p in plan):
+            continue
+        if heads % tp:
+            raise PlanError(
+                f"{type(model).__name__}.{fqn} has {heads} attention heads, which tp={tp} does not divide: "
+                "a tensor-parallel rank must hold whole heads. Fix: a tp that divides the head count."
+            )
+
+
+def apply_tensor_parallel(
+    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True, loss_parallel: bool = False
+) -> nn.Module:
+    """Shard `model` in place over the 1-D `tp_mesh` following its `tp_plan`."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    plan = tensor_parallel_plan(
+        model, tp_mesh.size(), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
+    )
+    return parallelize_module(model, tp_mesh, plan)
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The modules to shard as their own FSDP groups (the root is wrapped separately, last).
+
+    From `fsdp_units` globs when declared; otherwise each child of the model's largest `nn.ModuleList`
+    (the transformer blocks in most models).
+    """
+    declared = getattr(model, "fsdp_units", None)
+    if declared is not None:
+        return select(model, declared, "fsdp_units")
+    lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    if not lists:
+        return []
+    fqn, largest = max(lists, key=lambda item: len(item[1]))
+    return [(f"{fqn}.{name}", child) for name, child in largest.named_children()]
