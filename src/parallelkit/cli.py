@@ -1,8 +1,8 @@
 """The `parallelkit` command: LightningCLI's fit/validate/test/predict, plus the `env` and `plugins` tools.
 
-    parallelkit fit --config configs/ddp.yaml --trainer.max_steps=20
-    parallelkit env --mesh '[[2, 2], ["fsdp", "tp"]]' --devices 4
-    parallelkit plugins
+parallelkit fit --config configs/ddp.yaml --trainer.max_steps=20
+parallelkit env --mesh '[[2, 2], ["fsdp", "tp"]]' --devices 4
+parallelkit plugins
 """
 
 from __future__ import annotations
@@ -76,7 +76,9 @@ def env_command(argv: Sequence[str]) -> int:
     table.add_row("backends", ", ".join(f"{b}: {'yes' if ok else 'no'}" for b, ok in backends.items()))
     cuda = torch.cuda.device_count() if torch.cuda.is_available() else 0
     kinds = sorted({torch.cuda.get_device_name(i) for i in range(cuda)})
-    table.add_row("devices", f"cuda: {cuda}" + (f" ({', '.join(kinds)})" if kinds else "") + f"; cpu cores: {os.cpu_count()}")
+    table.add_row(
+        "devices", f"cuda: {cuda}" + (f" ({', '.join(kinds)})" if kinds else "") + f"; cpu cores: {os.cpu_count()}"
+    )
     for var in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT"):
         table.add_row(var, os.environ.get(var, "(unset)"))
     console.print(table)

@@ -77,8 +77,7 @@ class MeshSpec:
             or not all(isinstance(part, Sequence) and not isinstance(part, str) for part in value)
         ):
             raise MeshError(
-                f"mesh_shape {shown} must be two lists, sizes then axis names, "
-                'e.g. [[2, 2], ["fsdp", "tp"]].'
+                f'mesh_shape {shown} must be two lists, sizes then axis names, e.g. [[2, 2], ["fsdp", "tp"]].'
             )
         sizes, names = list(value[0]), list(value[1])
         if len(sizes) != len(names) or not sizes:

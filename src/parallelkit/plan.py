@@ -177,9 +177,7 @@ def apply_tensor_parallel(
     """Shard `model` in place over the 1-D `tp_mesh` following its `tp_plan`."""
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = tensor_parallel_plan(
-        model, tp_mesh.size(), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel
-    )
+    plan = tensor_parallel_plan(model, tp_mesh.size(), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     return parallelize_module(model, tp_mesh, plan)
 
 

@@ -1,0 +1,7 @@
+"""Datamodules whose global sample order is the same for every parallel layout."""
+
+from parallelkit.data.sampler import GlobalBatchSampler
+from parallelkit.data.synthetic import SyntheticDataModule
+from parallelkit.data.text import TextDataModule
+
+__all__ = ["GlobalBatchSampler", "SyntheticDataModule", "TextDataModule"]

@@ -1,0 +1,73 @@
+"""Shared helpers: multi-process runs go through a subprocess (the CLI or torchrun), never this process."""
+
+from __future__ import annotations
+
+import csv
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPTS = Path(__file__).resolve().parent / "scripts"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def subprocess_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning", WANDB_MODE="offline")
+    env.update(extra)
+    return env
+
+
+def run(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    """Run a command to completion, capturing output; the caller asserts on returncode and text."""
+    return subprocess.run(args, cwd=cwd, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
+
+
+def parallelkit(*args: str, cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+    return run([sys.executable, "-m", "parallelkit.cli", *args], cwd, timeout, **env)
+
+
+def torchrun(script: str, nproc: int, *args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        f"--master-port={free_port()}",
+        str(SCRIPTS / script),
+        *args,
+    ]
+    return run(cmd, cwd, timeout)
+
+
+def step_losses(save_dir: Path, key: str = "train_loss") -> dict[int, float]:
+    """Per-step values of `key` from the CSVLogger files under `save_dir`."""
+    files = sorted(save_dir.rglob("metrics.csv"))
+    assert files, f"no metrics.csv under {save_dir}"
+    with open(files[-1]) as f:
+        return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row.get(key)}
+
+
+def assert_ok(proc: subprocess.CompletedProcess) -> None:
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
+    )
+
+
+@pytest.fixture
+def corpus(tmp_path: Path) -> Path:
+    """A small deterministic text corpus (a few hundred KB of this repo's own source, repeated)."""
+    text = "".join(p.read_text() for p in sorted((REPO / "src").rglob("*.py")))
+    path = tmp_path / "corpus.txt"
+    path.write_text(text * max(1, 400_000 // max(len(text), 1)))
+    return path

@@ -1,0 +1,90 @@
+import copy
+
+import pytest
+import torch
+from conftest import REPO, assert_ok, torchrun
+
+from parallelkit.errors import PlanError
+from parallelkit.models import GPT
+from parallelkit.plan import fsdp_units, matches, tensor_parallel_plan
+
+
+def test_gpt_forward_shapes_and_loss_near_uniform_at_init():
+    torch.manual_seed(0)
+    model = GPT(n_layer=2, n_head=4, n_embd=32)
+    x = torch.randint(0, 256, (3, 16))
+    logits = model(x)
+    assert logits.shape == (3, 16, 256)
+    loss = model.pipeline_loss(logits, x)
+    assert abs(loss.item() - torch.log(torch.tensor(256.0)).item()) < 0.1
+
+
+def test_gpt_is_causal():
+    torch.manual_seed(0)
+    model = GPT(n_layer=2, n_head=4, n_embd=32)
+    x = torch.randint(0, 256, (1, 16))
+    changed = x.clone()
+    changed[0, 10] = (changed[0, 10] + 1) % 256
+    torch.testing.assert_close(model(x)[:, :10], model(changed)[:, :10])
+
+
+def test_same_seed_gives_same_weights():
+    torch.manual_seed(3)
+    a = GPT(n_layer=2, n_head=4, n_embd=32)
+    torch.manual_seed(3)
+    b = GPT(n_layer=2, n_head=4, n_embd=32)
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_glob_segments_never_cross_dots():
+    assert matches("blocks.*.attn.q", "blocks.3.attn.q")
+    assert not matches("blocks.*", "blocks.3.attn")
+    assert not matches("blocks.*.q", "blocks.3.attn.q")
+
+
+def test_tp_plan_expands_globs_per_block():
+    model = GPT(n_layer=3, n_head=4, n_embd=32)
+    plan = tensor_parallel_plan(model, 2, sequence_parallel=True)
+    assert "blocks.2.attn.q" in plan and "blocks.0.mlp.down" in plan and "head" in plan
+    assert "blocks.1.attn_norm" in plan
+    assert "blocks.1.attn_norm" not in tensor_parallel_plan(model, 2, sequence_parallel=False)
+
+
+def test_tp_not_dividing_heads_names_module_and_numbers():
+    model = GPT(n_layer=1, n_head=6, n_embd=48)
+    with pytest.raises(PlanError, match=r"blocks\.0\.attn has 6 attention heads.*tp=4"):
+        tensor_parallel_plan(model, 4)
+
+
+def test_tp_not_dividing_width_names_module_and_numbers():
+    model = GPT(vocab_size=255, n_layer=1, n_head=2, n_embd=32)
+    with pytest.raises(PlanError, match=r"tok_emb \(vocab_embedding\) has num_embeddings=255.*tp=2"):
+        tensor_parallel_plan(model, 2)
+
+
+def test_missing_tp_plan_explains_what_to_declare():
+    model = copy.deepcopy(GPT(n_layer=1, n_head=2, n_embd=16))
+    model.tp_plan = None
+    with pytest.raises(PlanError, match="needs GPT.tp_plan"):
+        tensor_parallel_plan(model, 2)
+
+
+def test_tp_plan_pattern_matching_nothing_is_an_error():
+    model = GPT(n_layer=1, n_head=2, n_embd=16)
+    model.tp_plan = {"blocks.*.attn.qkv": "colwise"}
+    with pytest.raises(PlanError, match="'blocks.\\*.attn.qkv' matches no module"):
+        tensor_parallel_plan(model, 2)
+
+
+def test_fsdp_units_declared_and_default_largest_module_list():
+    model = GPT(n_layer=3, n_head=2, n_embd=16)
+    assert [f for f, _ in fsdp_units(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+    model.fsdp_units = None
+    assert [f for f, _ in fsdp_units(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_tp_planned_gpt_matches_plain_gpt_outputs_and_grads_on_4_processes():
+    proc = torchrun("mesh_and_tp.py", 4, cwd=REPO)
+    assert_ok(proc)
+    assert proc.stdout.count("outputs equal") == 4 and "OK" in proc.stdout

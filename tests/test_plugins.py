@@ -1,0 +1,83 @@
+"""Entry-point plugins, tested the way pip installs them: a *.dist-info with entry_points.txt on sys.path."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import assert_ok, parallelkit, run
+
+
+def install_fake_distribution(site: Path, dist: str, module: str, source: str, entry_points: str) -> None:
+    info = site / f"{dist.replace('-', '_')}-0.3.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.3\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    (site / f"{module}.py").write_text(source)
+
+
+GOOD = """
+from lightning.pytorch.strategies import DDPStrategy
+
+class GoodStrategy(DDPStrategy):
+    '''DDP under another name, from a third party.'''
+"""
+
+
+@pytest.fixture
+def site(tmp_path: Path) -> Path:
+    site = tmp_path / "site"
+    install_fake_distribution(
+        site, "parallelkit-broken", "pk_broken", "raise RuntimeError('boom at import')\n",
+        "[parallelkit.strategies]\nbroken = pk_broken:Strategy\n",
+    )
+    install_fake_distribution(
+        site, "parallelkit-good", "pk_good", GOOD,
+        "[parallelkit.strategies]\ngood = pk_good:GoodStrategy\nddp = pk_good:GoodStrategy\n",
+    )
+    return site
+
+
+def test_broken_plugin_warns_with_its_distribution_and_others_still_register(site: Path):
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    import parallelkit\n"
+        "import lightning as L\n"
+        "for w in caught: print('WARNING', w.message)\n"
+        "trainer = L.Trainer(strategy='good', accelerator='cpu', devices=1, logger=False)\n"
+        "print('STRATEGY', type(trainer.strategy).__name__)\n"
+    )
+    proc = run([sys.executable, "-c", code], cwd=site.parent, PYTHONPATH=str(site))
+    assert_ok(proc)
+    assert "parallelkit-broken 0.3 failed to load" in proc.stdout and "boom at import" in proc.stdout
+    assert "'ddp' from parallelkit-good 0.3 is skipped" in proc.stdout  # clashes with Lightning's own ddp
+    assert "STRATEGY GoodStrategy" in proc.stdout
+
+
+def test_plugins_command_lists_good_and_broken_plugins(site: Path):
+    proc = parallelkit("plugins", cwd=site.parent, PYTHONPATH=str(site))
+    assert_ok(proc)
+    rows = proc.stdout
+    assert "good" in rows and "parallelkit-good 0.3" in rows
+    assert "broken" in rows and "RuntimeError: boom at import" in rows
+    assert "name clash" in rows
+
+
+def test_builtin_strategies_are_registered_on_import():
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    import parallelkit  # noqa: F401
+    from parallelkit.plugins import STRATEGY_GROUP, discover
+
+    own = [p for p in discover(STRATEGY_GROUP) if p.distribution == "parallelkit"]
+    assert all(p.error is None and p.name in StrategyRegistry for p in own)
+
+
+def test_registering_twice_is_harmless():
+    from parallelkit.plugins import register_strategies
+
+    register_strategies()
+    register_strategies()
+
