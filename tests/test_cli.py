@@ -1,7 +1,6 @@
 from pathlib import Path
 
 import pytest
-
 from conftest import REPO, assert_ok, parallelkit, step_losses
 
 
@@ -12,7 +11,12 @@ def test_env_lays_out_a_mesh_rank_by_coordinate(tmp_path: Path):
     rows = [line.split("│")[1:-1] for line in proc.stdout.splitlines() if line.count("│") == 6]
     table = [[cell.strip() for cell in row] for row in rows if row[0].strip().isdigit()]
     # rank, node, fsdp, tp, dp rank
-    assert table == [["0", "0", "0", "0", "0"], ["1", "0", "0", "1", "0"], ["2", "0", "1", "0", "1"], ["3", "0", "1", "1", "1"]]
+    assert table == [
+        ["0", "0", "0", "0", "0"],
+        ["1", "0", "0", "1", "0"],
+        ["2", "0", "1", "0", "1"],
+        ["3", "0", "1", "1", "1"],
+    ]
 
 
 @pytest.mark.parametrize(
@@ -44,14 +48,25 @@ def test_help_lists_lightning_subcommands_and_tools(tmp_path: Path):
 def fit(config: str, tmp_path: Path, *overrides: str):
     tmp_path.mkdir(parents=True, exist_ok=True)
     return parallelkit(
-        "fit", "--config", str(REPO / "configs" / config), f"--trainer.logger.init_args.save_dir={tmp_path}",
-        "--trainer.enable_progress_bar=false", "--trainer.enable_model_summary=false", *overrides, cwd=tmp_path,
+        "fit",
+        "--config",
+        str(REPO / "configs" / config),
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        *overrides,
+        cwd=tmp_path,
     )
 
 
 def test_ddp_two_processes_matches_single_process_losses_per_step(tmp_path: Path, corpus: Path):
-    common = ["--trainer.max_steps=20", "--trainer.val_check_interval=10", "--trainer.limit_val_batches=2",
-              f"--data.init_args.paths={corpus}", f"--data.init_args.cache_dir={tmp_path / 'cache'}"]
+    common = [
+        "--trainer.max_steps=20",
+        "--trainer.val_check_interval=10",
+        "--trainer.limit_val_batches=2",
+        f"--data.init_args.paths={corpus}",
+        f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+    ]
     assert_ok(fit("single.yaml", tmp_path / "single", *common))
     assert_ok(fit("ddp.yaml", tmp_path / "ddp", *common))
     single, ddp = step_losses(tmp_path / "single"), step_losses(tmp_path / "ddp")

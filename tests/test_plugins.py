@@ -4,7 +4,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import assert_ok, parallelkit, run
 
 
@@ -28,11 +27,17 @@ class GoodStrategy(DDPStrategy):
 def site(tmp_path: Path) -> Path:
     site = tmp_path / "site"
     install_fake_distribution(
-        site, "parallelkit-broken", "pk_broken", "raise RuntimeError('boom at import')\n",
+        site,
+        "parallelkit-broken",
+        "pk_broken",
+        "raise RuntimeError('boom at import')\n",
         "[parallelkit.strategies]\nbroken = pk_broken:Strategy\n",
     )
     install_fake_distribution(
-        site, "parallelkit-good", "pk_good", GOOD,
+        site,
+        "parallelkit-good",
+        "pk_good",
+        GOOD,
         "[parallelkit.strategies]\ngood = pk_good:GoodStrategy\nddp = pk_good:GoodStrategy\n",
     )
     return site
@@ -80,4 +85,3 @@ def test_registering_twice_is_harmless():
 
     register_strategies()
     register_strategies()
-

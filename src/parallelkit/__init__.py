@@ -8,11 +8,15 @@ from parallelkit import plugins
 from parallelkit.errors import DataError, MeshError, ParallelkitError, PlanError, PluginError, PluginWarning
 from parallelkit.mesh import MeshSpec
 from parallelkit.plugins import StrategyPreset
+from parallelkit.strategies import FSDPTPStrategy, HSDPStrategy, ParallelkitStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
     "DataError",
+    "FSDPTPStrategy",
+    "HSDPStrategy",
+    "ParallelkitStrategy",
     "MeshError",
     "MeshSpec",
     "ParallelkitError",

@@ -23,3 +23,7 @@ class DataError(ParallelkitError, ValueError):
 
 class PluginWarning(UserWarning):
     """A plugin that failed to load or clashed with another; every other plugin still loads."""
+
+
+class ConfigError(ParallelkitError, ValueError):
+    """A strategy argument or Trainer flag that parallelkit cannot honour."""

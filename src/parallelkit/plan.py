@@ -195,3 +195,90 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
         return []
     fqn, largest = max(lists, key=lambda item: len(item[1]))
     return [(f"{fqn}.{name}", child) for name, child in largest.named_children()]
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: str | int) -> None:
+    """Recompute activations in backward for the model's blocks (its fsdp units).
+
+    `policy`: "none", "full" (every block) or an int n (every n-th block: a memory/compute trade-off).
+    Uses torch's composable checkpoint so parameter names (FQNs), and so checkpoints, stay unchanged.
+    """
+    from torch.distributed._composable import checkpoint
+
+    match policy:
+        case "none" | 0:
+            return
+        case "full":
+            every = 1
+        case int() if policy > 0:
+            every = policy
+        case _:
+            raise PlanError(
+                f"activation_checkpointing={policy!r}: use 'none', 'full', or a positive int n to checkpoint "
+                "every n-th block."
+            )
+    for index, (_, block) in enumerate(fsdp_units(model)):
+        if index % every == 0:
+            checkpoint(block)
+
+
+def apply_fsdp(
+    model: nn.Module,
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: Any = None,
+    reduce_dtype: Any = None,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> None:
+    """fully_shard each fsdp unit, then the root, over `dp_mesh` (2-D replicate x fsdp means HSDP).
+
+    The last unit is not resharded after forward: backward needs it first, so the all-gather would repeat
+    at once.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    options = {
+        "mesh": dp_mesh,
+        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    units = fsdp_units(model)
+    for index, (_, unit) in enumerate(units):
+        fully_shard(unit, reshard_after_forward=reshard_after_forward and index < len(units) - 1, **options)
+    # The root holds what no unit does (embeddings, final norm, head); it is used first in backward.
+    fully_shard(model, reshard_after_forward=False, **options)
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
+    activation_checkpointing: str | int = "none",
+    reshard_after_forward: bool = True,
+    param_dtype: Any = None,
+    reduce_dtype: Any = None,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Make `model` parallel over `mesh` in the one fixed order: tensor parallel -> activation checkpointing
+    -> FSDP. (TP first: FSDP shards the DTensors TP made; checkpointing inside FSDP so recompute sees
+    gathered parameters.)"""
+    from parallelkit.mesh import data_parallel_mesh
+
+    if "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1:
+        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    apply_activation_checkpointing(model, activation_checkpointing)
+    dp_mesh = data_parallel_mesh(mesh)
+    if dp_mesh is not None:
+        hsdp = all(axis in (mesh.mesh_dim_names or ()) for axis in ("replicate", "fsdp"))
+        apply_fsdp(
+            model,
+            mesh["replicate", "fsdp"] if hsdp else dp_mesh,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            reshard_after_forward=reshard_after_forward,
+            cpu_offload=cpu_offload,
+        )
+    return model

@@ -1,0 +1,155 @@
+"""What every parallelkit strategy shares: the named mesh, data-parallel bookkeeping, precision and clipping.
+
+`ParallelkitStrategy` subclasses Lightning's `ModelParallelStrategy` on purpose: that is Lightning's FSDP2/DTensor
+strategy, and it already owns process-group setup, the launcher, collectives and DCP checkpoint I/O. What it
+leaves to the user, parallelkit does: a mesh of any named axes instead of (data, tensor) only, the model's plan
+applied with no `configure_model`, the data-parallel group everywhere Lightning asks for one, gradient
+clipping across DTensor shards, no gradient communication on accumulation micro-steps, and FSDP2's own mixed
+precision in place of autocast.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import Any
+
+import torch
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallelkit.errors import ConfigError
+from parallelkit.grad_norm import clip_grad_norm_
+from parallelkit.mesh import MeshSpec, data_parallel_mesh
+
+MeshShape = str | Sequence[Any]
+"""`[[sizes...], [axis names...]]`, as a list or a JSON string, or "auto"."""
+
+PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
+"""Trainer precisions a parallelkit strategy runs, with the dtype FSDP2 computes in (None: fp32)."""
+
+
+class ShardedPrecision(Precision):
+    """Precision for sharded models: FSDP2 casts parameters itself (no autocast), and gradient clipping by norm
+    measures the global norm across every shard and stage."""
+
+    def __init__(self, precision: str, stage_group: Any = None) -> None:
+        if precision not in PRECISIONS:
+            raise ConfigError(
+                f"Trainer(precision={precision!r}) is not supported by parallelkit strategies; use one of "
+                f"{', '.join(PRECISIONS)} (bf16-mixed computes in bf16 and keeps fp32 weights and gradients)."
+            )
+        self.precision = precision
+        self.stage_group = stage_group
+
+    @property
+    def param_dtype(self) -> torch.dtype | None:
+        return PRECISIONS[self.precision]
+
+    def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
+        return module.to(torch.bfloat16) if self.precision == "bf16-true" else module
+
+    def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
+        clip_grad_norm_(self.main_params(optimizer), clip_val, stage_group=self.stage_group)
+
+
+class ParallelkitStrategy(ModelParallelStrategy):
+    """Base of parallelkit's strategies (see the subclasses for the arguments users set)."""
+
+    required_axes: tuple[str, ...] = ("fsdp", "tp")
+    """Axes always present in the built mesh (size 1 when the user's shape leaves them out)."""
+
+    def __init__(
+        self,
+        mesh_shape: MeshShape = "auto",
+        comm_precision: str | None = None,
+        timeout: float | timedelta = 1800.0,
+        process_group_backend: str | None = None,
+        save_distributed_checkpoint: bool = True,
+    ) -> None:
+        super().__init__(
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
+        )
+        # Parsed now so a malformed shape fails at construction; "auto" waits for the world size.
+        self.mesh_spec = None if mesh_shape == "auto" else MeshSpec.parse(mesh_shape)
+        if comm_precision not in (None, "fp32"):
+            raise ConfigError(
+                f"comm_precision={comm_precision!r} is not available: this version communicates gradients in fp32 "
+                "only. Remove comm_precision or set it to 'fp32'."
+            )
+        self.comm_precision = comm_precision
+
+    # -- configuration, checked in the launching process before any worker starts --------------------------
+    def _configure_launcher(self) -> None:
+        # Lightning calls this once it has given the strategy its devices, nodes and precision, and before it
+        # launches: the last moment to fail fast on a mesh that does not fit, with no process group yet.
+        spec = self.mesh_spec or MeshSpec.parse(self.auto_mesh(self.num_nodes, self.num_processes))
+        self.mesh_spec = self._full_spec(spec.resolve(self.num_nodes, self.num_processes))
+        if not isinstance(self.precision_plugin, ShardedPrecision):
+            self.precision_plugin = ShardedPrecision(self.precision_plugin.precision)
+        super()._configure_launcher()
+
+    def auto_mesh(self, num_nodes: int, devices: int) -> MeshShape:
+        """What `mesh_shape="auto"` means: every process shards (fully sharded data parallel)."""
+        return [[-1], ["fsdp"]]
+
+    def _full_spec(self, spec: MeshSpec) -> MeshSpec:
+        """`spec` with every required axis present, so code can always index `mesh["tp"]`, `mesh["fsdp"]`."""
+        sizes = dict(zip(spec.names, spec.sizes))
+        names = [axis for axis in ("pp", "replicate", "fsdp", "tp") if axis in sizes or axis in self.required_axes]
+        return MeshSpec(tuple(sizes.get(axis, 1) for axis in names), tuple(names))
+
+    # -- process groups --------------------------------------------------------------------------------------
+    def setup_environment(self) -> None:
+        self._setup_distributed()
+        self._device_mesh = self.mesh_spec.build(self.root_device.type)
+        # The escape hatch: a model that overrides configure_model() parallelises itself with this mesh.
+        self.lightning_module._device_mesh = self._device_mesh
+
+    @property
+    def dp_mesh(self) -> DeviceMesh:
+        """The sub-mesh over which batches differ (replicate x fsdp, or fsdp)."""
+        return data_parallel_mesh(self.device_mesh)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.mesh_spec.dp_size, "rank": self.mesh_spec.dp_rank(self.global_rank)}
+
+    # -- training-step hooks ---------------------------------------------------------------------------------
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-steps keep gradients local: no reduce-scatter / all-reduce until the last one."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(self.model, FSDPModule):
+            yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def loss_context(self) -> Any:
+        """Context in which the model's loss (forward and backward) runs; subclasses add loss parallelism."""
+        return nullcontext()
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.loss_context():
+            return super().training_step(*args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.loss_context():
+            return super().validation_step(*args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.loss_context():
+            return super().test_step(*args, **kwargs)
+
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self.loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
