@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-SCRIPTS = Path(__file__).resolve().parent / "scripts"
+TESTS = Path(__file__).resolve().parent
+SCRIPTS = TESTS / "scripts"
 
 
 def free_port() -> int:
@@ -24,6 +25,10 @@ def free_port() -> int:
 def subprocess_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning", WANDB_MODE="offline")
+    # tests/ on the path so configs can name test-only classes (tests/models.py) by class_path.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
+    if "PYTHONPATH" in extra:
+        extra["PYTHONPATH"] = os.pathsep.join((extra["PYTHONPATH"], env["PYTHONPATH"]))
     env.update(extra)
     return env
 
@@ -64,10 +69,32 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
     )
 
 
-@pytest.fixture
-def corpus(tmp_path: Path) -> Path:
+def fit(config: str, save_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`parallelkit fit --config configs/<config>` logging CSV under `save_dir`, quietly."""
+    save_dir.mkdir(parents=True, exist_ok=True)
+    return parallelkit(
+        "fit",
+        "--config",
+        str(REPO / "configs" / config),
+        f"--trainer.logger.init_args.save_dir={save_dir}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        *overrides,
+        cwd=save_dir,
+        timeout=timeout,
+    )
+
+
+def assert_same_losses(expected: dict[int, float], actual: dict[int, float], rtol: float = 1e-5) -> None:
+    assert sorted(expected) == sorted(actual), (sorted(expected), sorted(actual))
+    for step, value in expected.items():
+        assert abs(actual[step] - value) <= rtol * abs(value), f"step {step}: {value} vs {actual[step]}"
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small deterministic text corpus (a few hundred KB of this repo's own source, repeated)."""
     text = "".join(p.read_text() for p in sorted((REPO / "src").rglob("*.py")))
-    path = tmp_path / "corpus.txt"
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_text(text * max(1, 400_000 // max(len(text), 1)))
     return path

@@ -1,7 +1,7 @@
 from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_ok, parallelkit, step_losses
+from conftest import assert_ok, fit, parallelkit, step_losses
 
 
 def test_env_lays_out_a_mesh_rank_by_coordinate(tmp_path: Path):
@@ -43,20 +43,6 @@ def test_help_lists_lightning_subcommands_and_tools(tmp_path: Path):
     assert_ok(proc)
     for word in ("fit", "validate", "test", "predict", "parallelkit env", "parallelkit plugins"):
         assert word in proc.stdout
-
-
-def fit(config: str, tmp_path: Path, *overrides: str):
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    return parallelkit(
-        "fit",
-        "--config",
-        str(REPO / "configs" / config),
-        f"--trainer.logger.init_args.save_dir={tmp_path}",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false",
-        *overrides,
-        cwd=tmp_path,
-    )
 
 
 def test_ddp_two_processes_matches_single_process_losses_per_step(tmp_path: Path, corpus: Path):

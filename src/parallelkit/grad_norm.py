@@ -48,7 +48,8 @@ def global_grad_norm(
         if layout is not None:
             mesh, placements = layout
             for axis, placement in enumerate(placements):
-                if placement.is_shard():
+                # Not is_shard(): FSDP over TP gives _StridedShard, which is a shard but not a Shard.
+                if not placement.is_replicate():
                     dist.all_reduce(part, op=op, group=mesh.get_group(axis))
         total = part if total is None else (torch.maximum(total, part) if infinite else total + part)
     if total is None:

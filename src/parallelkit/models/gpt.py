@@ -14,6 +14,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
 from parallelkit.mesh import data_parallel_group
@@ -151,7 +152,9 @@ class GPT(L.LightningModule):
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy; works on vocab-sharded logits under `loss_parallel()`."""
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        # Under loss parallelism the loss is a replicated DTensor; logging and metrics want a plain tensor.
+        return loss.to_local() if isinstance(loss, DTensor) else loss
 
     def setup(self, stage: str) -> None:
         # Metrics average over the data-parallel group only: tp/pp ranks of one replica hold the same batch.

@@ -1,0 +1,80 @@
+"""Test-only models and callbacks, importable by class_path from CLI runs (conftest puts tests/ on PYTHONPATH)."""
+
+import json
+import os
+
+import lightning as L
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from parallelkit.mesh import data_parallel_group
+
+
+class ResidualMLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.fc2(torch.tanh(self.fc1(self.ln(x))))
+
+
+class TinyMixer(L.LightningModule):
+    """Not the reference GPT: other names, biases, LayerNorm, no attention, default fsdp units, SGD."""
+
+    tp_plan = {
+        "embed": "vocab_embedding",
+        "layers.*.ln": "sequence_parallel",
+        "layers.*.fc1": "colwise",
+        "layers.*.fc2": "rowwise",
+        "out_norm": "sequence_parallel",
+        "out": "vocab_head",
+    }
+
+    def __init__(self, width: int = 32, depth: int = 3, lr: float = 0.2) -> None:
+        super().__init__()
+        self.lr = lr
+        self.embed = nn.Embedding(256, width)
+        self.layers = nn.ModuleList(ResidualMLP(width) for _ in range(depth))
+        self.out_norm = nn.LayerNorm(width)
+        self.out = nn.Linear(width, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x)
+        for layer in self.layers:
+            h = layer(h)
+        return self.out(self.out_norm(h))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x).flatten(0, 1), y.flatten())
+        loss = loss.to_local() if isinstance(loss, DTensor) else loss
+        self.log("train_loss", loss, sync_dist=True, sync_dist_group=data_parallel_group(self.trainer.strategy))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class StateBytes(L.Callback):
+    """Writes each rank's bytes of parameters, gradients and optimizer state (local shards) at fit end."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module):
+        def local_bytes(t):
+            t = t.to_local() if isinstance(t, DTensor) else t
+            return t.numel() * t.element_size()
+
+        params = list(pl_module.parameters())
+        state = [v for s in trainer.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v)]
+        total = sum(local_bytes(p) for p in params) + sum(local_bytes(p.grad) for p in params if p.grad is not None)
+        total += sum(local_bytes(v) for v in state if v.ndim > 0)  # scalar step counters are not state size
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump({"bytes": total}, f)
