@@ -228,13 +228,14 @@ def apply_fsdp(
     *,
     param_dtype: Any = None,
     reduce_dtype: Any = None,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: str = "default",
     cpu_offload: bool = False,
 ) -> None:
     """fully_shard each fsdp unit, then the root, over `dp_mesh` (2-D replicate x fsdp means HSDP).
 
-    The last unit is not resharded after forward: backward needs it first, so the all-gather would repeat
-    at once.
+    `reshard_after_forward`: "always" frees every gathered weight after its forward, "never" keeps them all,
+    "default" frees all but the last unit and the root: backward needs those first, so freeing them would
+    only repeat their all-gather at once.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -245,9 +246,11 @@ def apply_fsdp(
     }
     units = fsdp_units(model)
     for index, (_, unit) in enumerate(units):
-        fully_shard(unit, reshard_after_forward=reshard_after_forward and index < len(units) - 1, **options)
-    # The root holds what no unit does (embeddings, final norm, head); it is used first in backward.
-    fully_shard(model, reshard_after_forward=False, **options)
+        last = index == len(units) - 1
+        reshard = reshard_after_forward == "always" or (reshard_after_forward == "default" and not last)
+        fully_shard(unit, reshard_after_forward=reshard, **options)
+    # The root holds what no unit does (embeddings, final norm, head).
+    fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **options)
 
 
 def parallelize(
@@ -257,7 +260,7 @@ def parallelize(
     sequence_parallel: bool = True,
     loss_parallel: bool = False,
     activation_checkpointing: str | int = "none",
-    reshard_after_forward: bool = True,
+    reshard_after_forward: str = "default",
     param_dtype: Any = None,
     reduce_dtype: Any = None,
     cpu_offload: bool = False,

@@ -73,6 +73,11 @@ class FSDPTPStrategy(ParallelkitStrategy):
 
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
+        if self.cpu_offload and self.root_device.type == "cpu":
+            raise ConfigError(
+                "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but this run already "
+                "trains on the CPU. Set cpu_offload=False, or train on GPUs."
+            )
         if self.loss_parallel and self.tp_size == 1:
             raise ConfigError(
                 f"loss_parallel=True needs a tp axis larger than 1, but mesh_shape is {self.mesh_spec}. "
@@ -102,7 +107,7 @@ class FSDPTPStrategy(ParallelkitStrategy):
                 sequence_parallel=self.tp_size > 1 if self.sequence_parallel is None else self.sequence_parallel,
                 loss_parallel=self.loss_parallel,
                 activation_checkpointing=self.activation_checkpointing,
-                reshard_after_forward=self.reshard_after_forward != "never",
+                reshard_after_forward=self.reshard_after_forward,
                 param_dtype=self.precision_plugin.param_dtype,
                 cpu_offload=self.cpu_offload,
             )
