@@ -76,8 +76,9 @@ def test_builtin_strategies_are_registered_on_import():
     import parallelkit  # noqa: F401
     from parallelkit.plugins import STRATEGY_GROUP, discover
 
-    own = [p for p in discover(STRATEGY_GROUP) if p.distribution == "parallelkit"]
-    assert all(p.error is None and p.name in StrategyRegistry for p in own)
+    own = {p.name for p in discover(STRATEGY_GROUP) if p.distribution == "parallelkit" and p.error is None}
+    assert {"fsdp_tp", "fsdp2", "tp", "hsdp"} <= own
+    assert own <= set(StrategyRegistry.available_strategies())
 
 
 def test_registering_twice_is_harmless():

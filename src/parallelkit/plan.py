@@ -285,3 +285,124 @@ def parallelize(
             cpu_offload=cpu_offload,
         )
     return model
+
+
+def pipeline_layer_names(model: nn.Module) -> list[str]:
+    """The model's `pipeline_layers` globs expanded to module names, in execution order.
+
+    Each layer's output feeds the next; every parameter must live in exactly one layer.
+    """
+    declared = getattr(model, "pipeline_layers", None)
+    if not declared:
+        raise PlanError(
+            f"pipeline parallelism needs {type(model).__name__}.pipeline_layers: module names in execution "
+            "order, each layer's output feeding the next, e.g. ['tok_emb', 'blocks.*', 'norm', 'head'], and a "
+            "pipeline_loss(output, target) method."
+        )
+    names = []
+    for pattern in declared:
+        names += [fqn for fqn, _ in select(model, [pattern], "pipeline_layers") if fqn not in names]
+    owners: dict[int, str] = {}
+    for name in names:
+        for param_name, param in model.get_submodule(name).named_parameters():
+            if id(param) in owners:
+                raise PlanError(
+                    f"{type(model).__name__}.{name}.{param_name} is the same tensor as {owners[id(param)]}: tied "
+                    "weights cannot be split across pipeline stages. Untie them (e.g. separate embedding and head)."
+                )
+            owners[id(param)] = f"{name}.{param_name}"
+    outside = [n for n, p in model.named_parameters() if id(p) not in owners]
+    if outside:
+        raise PlanError(
+            f"{type(model).__name__} has parameters outside pipeline_layers: {', '.join(outside[:5])}. Every "
+            "parameter must belong to one listed layer; add its module to pipeline_layers."
+        )
+    return names
+
+
+def split_stages(
+    model: nn.Module, layers: list[str], num_stages: int, split_points: list[int | str] | None = None
+) -> list[list[str]]:
+    """Cut `layers` into `num_stages` contiguous stages.
+
+    `split_points`: where each stage after the first begins, as layer indices or names. Without them, stages
+    are balanced by parameter count (the largest stage as small as possible); the first and last stages,
+    which hold the embedding and the head, so get fewer blocks.
+    """
+    if num_stages > len(layers):
+        raise PlanError(
+            f"{num_stages} pipeline stages need at least {num_stages} pipeline layers, but "
+            f"{type(model).__name__} has {len(layers)} ({', '.join(layers)}). Fix: fewer stages (pp x "
+            "stages_per_rank) or a deeper model."
+        )
+    if split_points is not None:
+        starts = [layers.index(p) if isinstance(p, str) and p in layers else p for p in split_points]
+        if (
+            len(starts) != num_stages - 1
+            or any(not isinstance(s, int) for s in starts)
+            or starts != sorted(set(starts))
+            or not all(0 < s < len(layers) for s in starts)
+        ):
+            raise PlanError(
+                f"split_points={split_points} must name {num_stages - 1} distinct, increasing layer indices "
+                f"(1..{len(layers) - 1}) or layer names for {num_stages} stages; layers: {', '.join(layers)}."
+            )
+    else:
+        sizes = [max(sum(p.numel() for p in model.get_submodule(n).parameters()), 1) for n in layers]
+        starts = _balanced_starts(sizes, num_stages)
+    bounds = [0, *starts, len(layers)]
+    return [layers[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def _balanced_starts(sizes: list[int], num_stages: int) -> list[int]:
+    """Stage start indices minimising the largest stage's total size (exact, by dynamic programming)."""
+    prefix = [0]
+    for size in sizes:
+        prefix.append(prefix[-1] + size)
+    # best[s][i]: the smallest possible largest load when the first i layers form s stages; cut[s][i]: where
+    # the last of those stages starts.
+    n = len(sizes)
+    best = [[float("inf")] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0
+    for stages in range(1, num_stages + 1):
+        for end in range(stages, n + 1):
+            for start in range(stages - 1, end):
+                load = max(best[stages - 1][start], prefix[end] - prefix[start])
+                if load < best[stages][end]:
+                    best[stages][end], cut[stages][end] = load, start
+    starts, end = [], n
+    for stages in range(num_stages, 1, -1):
+        end = cut[stages][end]
+        starts.append(end)
+    return sorted(starts)
+
+
+class StageModule(nn.Module):
+    """The layers of one pipeline stage, registered under their original names (`blocks.3` stays `blocks.3`),
+    so state dicts, and so checkpoints, are the same whatever the layout."""
+
+    def __init__(self, model: nn.Module, layers: list[str]) -> None:
+        super().__init__()
+        for name in layers:
+            *parents, leaf = name.split(".")
+            owner: nn.Module = self
+            for part in parents:
+                if owner._modules.get(part) is None:
+                    owner.add_module(part, nn.Module())
+                owner = owner._modules[part]
+            owner.add_module(leaf, model.get_submodule(name))
+        self.layer_names = list(layers)
+        self._layers = [self.get_submodule(name) for name in layers]  # a plain list: not registered twice
+
+    def forward(self, x: Any) -> Any:
+        for layer in self._layers:
+            x = layer(x)
+        return x
+
+
+def drop_layers(model: nn.Module, layers: Iterable[str]) -> None:
+    """Remove `layers` from `model` in place (their slots become None), keeping every other name unchanged."""
+    for name in layers:
+        parent, _, leaf = name.rpartition(".")
+        (model.get_submodule(parent) if parent else model).register_module(leaf, None)
