@@ -8,7 +8,7 @@ from parallelkit import plugins
 from parallelkit.errors import DataError, MeshError, ParallelkitError, PlanError, PluginError, PluginWarning
 from parallelkit.mesh import MeshSpec
 from parallelkit.plugins import StrategyPreset
-from parallelkit.strategies import FSDPTPStrategy, HSDPStrategy, ParallelkitStrategy
+from parallelkit.strategies import FSDPTPStrategy, HSDPStrategy, ParallelkitStrategy, PipelineStrategy
 
 __version__ = "0.1.0"
 
@@ -17,6 +17,7 @@ __all__ = [
     "FSDPTPStrategy",
     "HSDPStrategy",
     "ParallelkitStrategy",
+    "PipelineStrategy",
     "MeshError",
     "MeshSpec",
     "ParallelkitError",

@@ -197,7 +197,7 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"{fqn}.{name}", child) for name, child in largest.named_children()]
 
 
-def apply_activation_checkpointing(model: nn.Module, policy: str | int) -> None:
+def apply_activation_checkpointing(units: list[nn.Module], policy: str | int) -> None:
     """Recompute activations in backward for the model's blocks (its fsdp units).
 
     `policy`: "none", "full" (every block) or an int n (every n-th block: a memory/compute trade-off).
@@ -217,13 +217,14 @@ def apply_activation_checkpointing(model: nn.Module, policy: str | int) -> None:
                 f"activation_checkpointing={policy!r}: use 'none', 'full', or a positive int n to checkpoint "
                 "every n-th block."
             )
-    for index, (_, block) in enumerate(fsdp_units(model)):
+    for index, block in enumerate(units):
         if index % every == 0:
             checkpoint(block)
 
 
 def apply_fsdp(
-    model: nn.Module,
+    root: nn.Module,
+    units: list[nn.Module],
     dp_mesh: DeviceMesh,
     *,
     param_dtype: Any = None,
@@ -244,19 +245,19 @@ def apply_fsdp(
         "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
-    units = fsdp_units(model)
-    for index, (_, unit) in enumerate(units):
+    for index, unit in enumerate(units):
         last = index == len(units) - 1
         reshard = reshard_after_forward == "always" or (reshard_after_forward == "default" and not last)
         fully_shard(unit, reshard_after_forward=reshard, **options)
     # The root holds what no unit does (embeddings, final norm, head).
-    fully_shard(model, reshard_after_forward=reshard_after_forward == "always", **options)
+    fully_shard(root, reshard_after_forward=reshard_after_forward == "always", **options)
 
 
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh,
     *,
+    stages: list[list[str]] | None = None,
     sequence_parallel: bool = True,
     loss_parallel: bool = False,
     activation_checkpointing: str | int = "none",
@@ -264,27 +265,48 @@ def parallelize(
     param_dtype: Any = None,
     reduce_dtype: Any = None,
     cpu_offload: bool = False,
-) -> nn.Module:
-    """Make `model` parallel over `mesh` in the one fixed order: tensor parallel -> activation checkpointing
-    -> FSDP. (TP first: FSDP shards the DTensors TP made; checkpointing inside FSDP so recompute sees
-    gathered parameters.)"""
+) -> list[nn.Module]:
+    """Make `model` parallel over `mesh`, in the one fixed order: tensor parallel -> pipeline split ->
+    activation checkpointing -> FSDP. Returns the modules to run: `[model]`, or with `stages` (this rank's
+    pipeline stages, as lists of layer names) one `StageModule` per stage, the other layers dropped.
+
+    TP comes first because FSDP shards the DTensors TP made; checkpointing sits inside FSDP units so the
+    recompute sees gathered parameters; each stage is its own FSDP root.
+    """
     from parallelkit.mesh import data_parallel_mesh
 
-    if "tp" in (mesh.mesh_dim_names or ()) and mesh["tp"].size() > 1:
+    names = mesh.mesh_dim_names or ()
+    if "tp" in names and mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    apply_activation_checkpointing(model, activation_checkpointing)
+    units = fsdp_units(model)
+    if stages is None:
+        roots = [(model, [unit for _, unit in units])]
+    else:
+        kept = {name for stage in stages for name in stage}
+        drop_layers(model, [name for name in pipeline_layer_names(model) if name not in kept])
+        roots = [
+            (StageModule(model, stage), [u for fqn, u in units if any(_inside(fqn, layer) for layer in stage)])
+            for stage in stages
+        ]
     dp_mesh = data_parallel_mesh(mesh)
-    if dp_mesh is not None:
-        hsdp = all(axis in (mesh.mesh_dim_names or ()) for axis in ("replicate", "fsdp"))
-        apply_fsdp(
-            model,
-            mesh["replicate", "fsdp"] if hsdp else dp_mesh,
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            reshard_after_forward=reshard_after_forward,
-            cpu_offload=cpu_offload,
-        )
-    return model
+    hsdp = all(axis in names for axis in ("replicate", "fsdp"))
+    for root, root_units in roots:
+        apply_activation_checkpointing(root_units, activation_checkpointing)
+        if dp_mesh is not None:
+            apply_fsdp(
+                root,
+                root_units,
+                mesh["replicate", "fsdp"] if hsdp else dp_mesh,
+                param_dtype=param_dtype,
+                reduce_dtype=reduce_dtype,
+                reshard_after_forward=reshard_after_forward,
+                cpu_offload=cpu_offload,
+            )
+    return [root for root, _ in roots]
+
+
+def _inside(fqn: str, layer: str) -> bool:
+    return fqn == layer or fqn.startswith(f"{layer}.")
 
 
 def pipeline_layer_names(model: nn.Module) -> list[str]:

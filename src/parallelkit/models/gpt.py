@@ -178,6 +178,8 @@ class GPT(L.LightningModule):
         self.val_loss.update(self.pipeline_loss(self(x), y))
 
     def on_validation_epoch_end(self) -> None:
+        if not self.val_loss.update_called:
+            return  # a pipeline strategy ran validation and logged val_loss itself
         loss = self.val_loss.compute()
         self.val_loss.reset()
         self.log("val_loss", loss, prog_bar=True)
@@ -187,6 +189,8 @@ class GPT(L.LightningModule):
         self.validation_step(batch, batch_idx)
 
     def on_test_epoch_end(self) -> None:
+        if not self.val_loss.update_called:
+            return  # a pipeline strategy ran the test and logged test_loss itself
         loss = self.val_loss.compute()
         self.val_loss.reset()
         self.log("test_loss", loss)

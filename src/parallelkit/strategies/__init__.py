@@ -3,6 +3,7 @@
 from parallelkit.plugins import StrategyPreset
 from parallelkit.strategies.base import ParallelkitStrategy, ShardedPrecision
 from parallelkit.strategies.fsdp_tp import FSDPTPStrategy, HSDPStrategy
+from parallelkit.strategies.pipeline import PipelineStrategy
 
 fsdp2 = StrategyPreset(
     FSDPTPStrategy,
@@ -11,4 +12,14 @@ fsdp2 = StrategyPreset(
 )
 tp = StrategyPreset(FSDPTPStrategy, "Tensor parallel across every process", {"mesh_shape": [[-1], ["tp"]]})
 
-__all__ = ["FSDPTPStrategy", "HSDPStrategy", "ParallelkitStrategy", "ShardedPrecision"]
+gpipe = StrategyPreset(
+    PipelineStrategy, "Pipeline parallel, GPipe schedule (all forwards, then all backwards)", {"schedule": "gpipe"}
+)
+one_f_one_b = StrategyPreset(
+    PipelineStrategy, "Pipeline parallel, 1F1B schedule (bounded in-flight activations)", {"schedule": "1f1b"}
+)
+interleaved_1f1b = StrategyPreset(
+    PipelineStrategy, "Pipeline parallel, interleaved 1F1B (virtual stages per rank)", {"schedule": "interleaved_1f1b"}
+)
+
+__all__ = ["FSDPTPStrategy", "HSDPStrategy", "ParallelkitStrategy", "PipelineStrategy", "ShardedPrecision"]

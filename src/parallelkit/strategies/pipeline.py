@@ -1,0 +1,248 @@
+"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B) inside the Lightning loop, composable with FSDP and TP.
+
+The schedules are torch's (`torch.distributed.pipelining`); the integration is ours. A pipeline schedule's
+`step()` runs forward and backward for every microbatch itself, so this strategy owns the whole training
+step: it zeroes gradients where the loop would (the first micro-step of each accumulation window), runs the
+schedule, and tells the loop to skip its own zero_grad and backward (`fit_loop._skip_backward`, the switch
+Lightning's StochasticWeightAveraging uses). Optimizer step, LR schedulers, gradient clipping (global norm
+across stages and shards) and accumulation keep their meaning. Because no rank holds the whole model, the
+strategy computes the loss with the model's `pipeline_loss` on the last stage and logs `train_loss`,
+`val_loss` and `test_loss` itself, broadcast to every stage.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
+
+from parallelkit.errors import ConfigError, PlanError
+from parallelkit.mesh import data_parallel_group
+from parallelkit.plan import parallelize, pipeline_layer_names, split_stages
+from parallelkit.strategies.base import MeshShape, ParallelkitStrategy
+
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS"}
+"""Schedule names users write -> torch's schedule class names."""
+
+MULTI_STAGE = {"interleaved_1f1b", "looped_bfs"}
+"""Schedules that run several (virtual) stages per rank."""
+
+
+class PipelineStrategy(ParallelkitStrategy):
+    """Pipeline parallel training (GPipe, 1F1B, interleaved 1F1B), alone or with FSDP and tensor parallelism.
+
+    The model's `pipeline_layers` are cut into stages that keep their parameter names, so a checkpoint is the
+    same whatever the layout. Each rank's stages are sharded over the inner axes exactly as `fsdp_tp` does.
+
+    Args:
+        mesh_shape: Sizes then axis names with a `pp` axis, e.g. `[[2, 2], ["pp", "fsdp"]]` or
+            `[[2, 1, 2], ["pp", "fsdp", "tp"]]`. "auto": every process is a pipeline stage.
+        schedule: "gpipe", "1f1b", "interleaved_1f1b" or "looped_bfs".
+        microbatches: Microbatches each process's batch is split into; must divide `data.batch_size`.
+            Default: 2 x the number of stages (fewer bubbles than the minimum, one stage's worth).
+        stages_per_rank: Virtual stages per rank for interleaved schedules (default 2; 1 otherwise).
+        split_points: Where each stage after the first begins, as indices into the expanded pipeline
+            layers or as layer names (e.g. ["blocks.2"]). Default: balanced by parameter count.
+        reshard_after_forward: FSDP policy inside each stage. Default "never": resharding would repeat the
+            all-gather for every microbatch.
+        sequence_parallel: Sequence parallelism inside the tp group (default: on when tp > 1).
+        activation_checkpointing: "none", "full" or every n-th block.
+        comm_precision: Gradient communication precision; only "fp32" in this version.
+        timeout: Seconds (or a timedelta) a collective may wait before the job fails instead of hanging.
+        process_group_backend: "gloo" or "nccl"; default chosen from the accelerator.
+        save_distributed_checkpoint: Each rank writes its shards (DCP) instead of rank 0 a single file.
+    """
+
+    required_axes = ("pp", "fsdp", "tp")
+
+    def __init__(
+        self,
+        mesh_shape: MeshShape = "auto",
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        stages_per_rank: int | None = None,
+        split_points: list[int | str] | None = None,
+        reshard_after_forward: Literal["default", "always", "never"] = "never",
+        sequence_parallel: bool | None = None,
+        activation_checkpointing: str | int = "none",
+        comm_precision: str | None = None,
+        timeout: float | timedelta = 1800.0,
+        process_group_backend: str | None = None,
+        save_distributed_checkpoint: bool = True,
+    ) -> None:
+        super().__init__(
+            mesh_shape=mesh_shape,
+            comm_precision=comm_precision,
+            timeout=timeout,
+            process_group_backend=process_group_backend,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+        )
+        key = schedule.lower()
+        if key not in SCHEDULES:
+            raise ConfigError(f"schedule={schedule!r} is not a pipeline schedule; use one of {', '.join(SCHEDULES)}.")
+        multi = key in MULTI_STAGE
+        stages_per_rank = stages_per_rank if stages_per_rank is not None else (2 if multi else 1)
+        if stages_per_rank < 1 or (not multi and stages_per_rank != 1):
+            raise ConfigError(
+                f"stages_per_rank={stages_per_rank} with schedule={schedule!r}: single-stage schedules (gpipe, 1f1b) "
+                f"take 1; interleaved ones ({', '.join(sorted(MULTI_STAGE))}) take 1 or more."
+            )
+        if microbatches is not None and microbatches < 1:
+            raise ConfigError(f"microbatches={microbatches}: use a positive number that divides data.batch_size.")
+        if reshard_after_forward not in ("default", "always", "never"):
+            raise ConfigError(f"reshard_after_forward={reshard_after_forward!r}: use 'default', 'always' or 'never'.")
+        self.schedule = key
+        self.stages_per_rank = stages_per_rank
+        self._microbatches = microbatches
+        self.split_points = split_points
+        self.reshard_after_forward = reshard_after_forward
+        self.sequence_parallel = sequence_parallel
+        self.activation_checkpointing = activation_checkpointing
+        self._schedule: Any = None
+        self._loss_scale = 1.0
+
+    def auto_mesh(self, num_nodes: int, devices: int) -> MeshShape:
+        """Every process a pipeline stage."""
+        return [[-1], ["pp"]]
+
+    @property
+    def pp_size(self) -> int:
+        return self.mesh_spec.size("pp")
+
+    @property
+    def num_stages(self) -> int:
+        return self.pp_size * self.stages_per_rank
+
+    @property
+    def microbatches(self) -> int:
+        return self._microbatches or 2 * self.num_stages
+
+    def _configure_launcher(self) -> None:
+        super()._configure_launcher()
+        if self.pp_size < 2:
+            raise ConfigError(
+                f"mesh_shape {self.mesh_spec} has pp={self.pp_size}; pipeline schedules need a pp axis of at "
+                'least 2, e.g. [[2, 2], ["pp", "fsdp"]]. For no pipeline, use strategy="fsdp_tp".'
+            )
+        if self.microbatches < self.pp_size:
+            raise ConfigError(
+                f"microbatches={self.microbatches} is fewer than the {self.pp_size} pipeline ranks: some stages would "
+                f"idle every step. Use microbatches >= {self.pp_size} (and dividing data.batch_size)."
+            )
+        if self.stages_per_rank > 1 and self.microbatches % self.pp_size:
+            raise ConfigError(
+                f"schedule={self.schedule!r} needs microbatches to be a multiple of pp={self.pp_size}, got "
+                f"{self.microbatches}."
+            )
+
+    def setup(self, trainer: Any) -> None:
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+        from torch.distributed.pipelining import PipelineStage
+        from torch.distributed.pipelining.schedules import get_schedule_class
+
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        if is_overridden("configure_model", module):
+            raise PlanError(
+                f"{type(module).__name__} overrides configure_model(), but pipeline strategies build stages from "
+                "pipeline_layers and cannot split a model that parallelised itself. Remove configure_model() "
+                "or use strategy='fsdp_tp'."
+            )
+        if not callable(getattr(module, "pipeline_loss", None)):
+            raise PlanError(
+                f"{type(module).__name__} has no pipeline_loss(output, target): the last pipeline stage needs it to "
+                "compute the loss."
+            )
+        pp_mesh = self.device_mesh["pp"]
+        stages = split_stages(module, pipeline_layer_names(module), self.num_stages, self.split_points)
+        # Loop placement, as torch's interleaved schedules expect: rank r holds stages r, r + pp, r + 2 pp, ...
+        mine = [pp_mesh.get_local_rank() + i * self.pp_size for i in range(self.stages_per_rank)]
+        modules = parallelize(
+            module,
+            self.device_mesh,
+            stages=[stages[i] for i in mine],
+            sequence_parallel=self.mesh_spec.size("tp") > 1
+            if self.sequence_parallel is None
+            else self.sequence_parallel,
+            activation_checkpointing=self.activation_checkpointing,
+            reshard_after_forward=self.reshard_after_forward,
+            param_dtype=self.precision_plugin.param_dtype,
+        )
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        pipeline_stages = [
+            PipelineStage(stage, index, self.num_stages, self.root_device, group=pp_mesh.get_group())
+            for index, stage in zip(mine, modules)
+        ]
+        schedule_class = get_schedule_class(SCHEDULES[self.schedule])
+        self._schedule = schedule_class(
+            pipeline_stages if self.schedule in MULTI_STAGE else pipeline_stages[0],
+            n_microbatches=self.microbatches,
+            loss_fn=self._loss,
+            scale_grads=True,  # the mean over microbatches: the whole batch's mean loss
+        )
+        self._has_first = any(stage.is_first for stage in pipeline_stages)
+        self._has_last = any(stage.is_last for stage in pipeline_stages)
+        self._last_stage_rank = dist.get_global_rank(pp_mesh.get_group(), self.pp_size - 1)
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+            trainer.fit_loop._skip_backward = True  # the schedule already ran backward
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.lightning_module.pipeline_loss(output, target) / self._loss_scale
+
+    def _run(self, batch: Any, *, train: bool) -> torch.Tensor:
+        """One schedule step over a process's batch; returns its mean loss, the same on every stage."""
+        inputs, target = batch
+        if inputs.shape[0] % self.microbatches:
+            raise ConfigError(
+                f"microbatches={self.microbatches} does not divide the per-process batch of {inputs.shape[0]} "
+                f"(data.batch_size). Fix: a batch size that is a multiple of {self.microbatches}, or microbatches "
+                "that divide it."
+            )
+        # Lightning divides the loss by accumulate_grad_batches before its own backward; this is that division.
+        self._loss_scale = self.lightning_module.trainer.accumulate_grad_batches if train else 1
+        losses: list[torch.Tensor] = []
+        args = (inputs,) if self._has_first else ()
+        run = self._schedule.step if train else self._schedule.eval
+        run(*args, target=target if self._has_last else None, losses=losses, return_outputs=False)
+        if self._has_last:
+            loss = torch.stack([loss.detach() for loss in losses]).mean() * self._loss_scale
+        else:
+            loss = torch.zeros((), device=self.root_device)
+        dist.broadcast(loss, src=self._last_stage_rank, group=self.device_mesh["pp"].get_group())
+        return loss
+
+    def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        module = self.lightning_module
+        trainer = module.trainer
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            # The loop's zero_grad would run after this step and erase the schedule's gradients; it is done here.
+            for optimizer in trainer.optimizers:
+                module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+        loss = self._run(batch, train=True)
+        module.log(
+            "train_loss", loss, on_step=True, prog_bar=True, sync_dist=True, sync_dist_group=data_parallel_group(self)
+        )
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
+        loss = self._run(batch, train=False)
+        self.lightning_module.log(
+            "val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True, sync_dist_group=data_parallel_group(self)
+        )
+
+    def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
+        loss = self._run(batch, train=False)
+        self.lightning_module.log(
+            "test_loss", loss, on_epoch=True, sync_dist=True, sync_dist_group=data_parallel_group(self)
+        )
