@@ -10,14 +10,16 @@ precision in place of autocast.
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallelkit.errors import ConfigError
@@ -64,6 +66,11 @@ class ParallelkitStrategy(ModelParallelStrategy):
     def __init__(
         self,
         mesh_shape: MeshShape = "auto",
+        reshard_after_forward: Literal["default", "always", "never"] = "default",
+        sequence_parallel: bool | None = None,
+        loss_parallel: bool = False,
+        activation_checkpointing: str | int = "none",
+        cpu_offload: bool = False,
         comm_precision: str | None = None,
         timeout: float | timedelta = 1800.0,
         process_group_backend: str | None = None,
@@ -82,6 +89,13 @@ class ParallelkitStrategy(ModelParallelStrategy):
                 "only. Remove comm_precision or set it to 'fp32'."
             )
         self.comm_precision = comm_precision
+        if reshard_after_forward not in ("default", "always", "never"):
+            raise ConfigError(f"reshard_after_forward={reshard_after_forward!r}: use 'default', 'always' or 'never'.")
+        self.reshard_after_forward = reshard_after_forward
+        self.sequence_parallel = sequence_parallel
+        self.loss_parallel = loss_parallel
+        self.activation_checkpointing = activation_checkpointing
+        self.cpu_offload = cpu_offload
 
     # -- configuration, checked in the launching process before any worker starts --------------------------
     def _configure_launcher(self) -> None:
@@ -91,6 +105,16 @@ class ParallelkitStrategy(ModelParallelStrategy):
         self.mesh_spec = self._full_spec(spec.resolve(self.num_nodes, self.num_processes))
         if not isinstance(self.precision_plugin, ShardedPrecision):
             self.precision_plugin = ShardedPrecision(self.precision_plugin.precision)
+        if self.cpu_offload and self.root_device.type == "cpu":
+            raise ConfigError(
+                "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but this run already "
+                "trains on the CPU. Set cpu_offload=False, or train on GPUs."
+            )
+        if self.loss_parallel and self.mesh_spec.size("tp") == 1:
+            raise ConfigError(
+                f"loss_parallel=True needs a tp axis larger than 1, but mesh_shape is {self.mesh_spec}. "
+                "Set loss_parallel=False or add tp to the mesh."
+            )
         super()._configure_launcher()
 
     def auto_mesh(self, num_nodes: int, devices: int) -> MeshShape:
@@ -135,8 +159,50 @@ class ParallelkitStrategy(ModelParallelStrategy):
             self.model.set_requires_gradient_sync(True)
 
     def loss_context(self) -> Any:
-        """Context in which the model's loss (forward and backward) runs; subclasses add loss parallelism."""
-        return nullcontext()
+        """Context in which the model's loss runs, forward and backward: loss parallelism when asked for."""
+        if not self.loss_parallel:
+            return nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    # -- model setup -----------------------------------------------------------------------------------------
+    def parallelize_options(self) -> dict[str, Any]:
+        """The inner-axis options every strategy passes to `plan.parallelize`."""
+        return {
+            "sequence_parallel": self.mesh_spec.size("tp") > 1
+            if self.sequence_parallel is None
+            else self.sequence_parallel,
+            "loss_parallel": self.loss_parallel,
+            "activation_checkpointing": self.activation_checkpointing,
+            "reshard_after_forward": self.reshard_after_forward,
+            "param_dtype": self.precision_plugin.param_dtype,
+            "cpu_offload": self.cpu_offload,
+        }
+
+    @abstractmethod
+    def parallelize_model(self, trainer: Any) -> None:
+        """Make `self.model` parallel over `self.device_mesh`."""
+
+    def setup(self, trainer: Any) -> None:
+        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+
+        assert self.model is not None and self.accelerator is not None
+        self.accelerator.setup(trainer)
+        self.parallelize_model(trainer)
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        self.barrier()
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if fitting:
+            _optimizers_to_device(self.optimizers, self.root_device)
+
+    def model_to_device(self) -> None:
+        if not self.cpu_offload:  # FSDP2's offload policy decides where sharded parameters live
+            super().model_to_device()
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.loss_context():

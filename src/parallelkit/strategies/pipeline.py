@@ -50,6 +50,7 @@ class PipelineStrategy(ParallelkitStrategy):
         reshard_after_forward: FSDP policy inside each stage. Default "never": resharding would repeat the
             all-gather for every microbatch.
         sequence_parallel: Sequence parallelism inside the tp group (default: on when tp > 1).
+        loss_parallel: Cross-entropy on vocab-sharded logits on the last stage (tp > 1 only).
         activation_checkpointing: "none", "full" or every n-th block.
         comm_precision: Gradient communication precision; only "fp32" in this version.
         timeout: Seconds (or a timedelta) a collective may wait before the job fails instead of hanging.
@@ -68,6 +69,7 @@ class PipelineStrategy(ParallelkitStrategy):
         split_points: list[int | str] | None = None,
         reshard_after_forward: Literal["default", "always", "never"] = "never",
         sequence_parallel: bool | None = None,
+        loss_parallel: bool = False,
         activation_checkpointing: str | int = "none",
         comm_precision: str | None = None,
         timeout: float | timedelta = 1800.0,
@@ -76,6 +78,10 @@ class PipelineStrategy(ParallelkitStrategy):
     ) -> None:
         super().__init__(
             mesh_shape=mesh_shape,
+            reshard_after_forward=reshard_after_forward,
+            sequence_parallel=sequence_parallel,
+            loss_parallel=loss_parallel,
+            activation_checkpointing=activation_checkpointing,
             comm_precision=comm_precision,
             timeout=timeout,
             process_group_backend=process_group_backend,
@@ -93,15 +99,10 @@ class PipelineStrategy(ParallelkitStrategy):
             )
         if microbatches is not None and microbatches < 1:
             raise ConfigError(f"microbatches={microbatches}: use a positive number that divides data.batch_size.")
-        if reshard_after_forward not in ("default", "always", "never"):
-            raise ConfigError(f"reshard_after_forward={reshard_after_forward!r}: use 'default', 'always' or 'never'.")
         self.schedule = key
         self.stages_per_rank = stages_per_rank
         self._microbatches = microbatches
         self.split_points = split_points
-        self.reshard_after_forward = reshard_after_forward
-        self.sequence_parallel = sequence_parallel
-        self.activation_checkpointing = activation_checkpointing
         self._schedule: Any = None
         self._loss_scale = 1.0
 
@@ -139,13 +140,10 @@ class PipelineStrategy(ParallelkitStrategy):
                 f"{self.microbatches}."
             )
 
-    def setup(self, trainer: Any) -> None:
-        from lightning.fabric.utilities.optimizer import _optimizers_to_device
+    def parallelize_model(self, trainer: Any) -> None:
         from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
-        assert self.model is not None and self.accelerator is not None
-        self.accelerator.setup(trainer)
         module = self.lightning_module
         if is_overridden("configure_model", module):
             raise PlanError(
@@ -153,28 +151,17 @@ class PipelineStrategy(ParallelkitStrategy):
                 "pipeline_layers and cannot split a model that parallelised itself. Remove configure_model() "
                 "or use strategy='fsdp_tp'."
             )
+        layers = pipeline_layer_names(module)
         if not callable(getattr(module, "pipeline_loss", None)):
             raise PlanError(
                 f"{type(module).__name__} has no pipeline_loss(output, target): the last pipeline stage needs it to "
                 "compute the loss."
             )
         pp_mesh = self.device_mesh["pp"]
-        stages = split_stages(module, pipeline_layer_names(module), self.num_stages, self.split_points)
+        stages = split_stages(module, layers, self.num_stages, self.split_points)
         # Loop placement, as torch's interleaved schedules expect: rank r holds stages r, r + pp, r + 2 pp, ...
         mine = [pp_mesh.get_local_rank() + i * self.pp_size for i in range(self.stages_per_rank)]
-        modules = parallelize(
-            module,
-            self.device_mesh,
-            stages=[stages[i] for i in mine],
-            sequence_parallel=self.mesh_spec.size("tp") > 1
-            if self.sequence_parallel is None
-            else self.sequence_parallel,
-            activation_checkpointing=self.activation_checkpointing,
-            reshard_after_forward=self.reshard_after_forward,
-            param_dtype=self.precision_plugin.param_dtype,
-        )
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
+        modules = parallelize(module, self.device_mesh, stages=[stages[i] for i in mine], **self.parallelize_options())
         pipeline_stages = [
             PipelineStage(stage, index, self.num_stages, self.root_device, group=pp_mesh.get_group())
             for index, stage in zip(mine, modules)
@@ -189,13 +176,10 @@ class PipelineStrategy(ParallelkitStrategy):
         self._has_first = any(stage.is_first for stage in pipeline_stages)
         self._has_last = any(stage.is_last for stage in pipeline_stages)
         self._last_stage_rank = dist.get_global_rank(pp_mesh.get_group(), self.pp_size - 1)
-        self.barrier()
+        # Gradient clipping adds up the stages' norms.
+        self.precision_plugin.stage_group = pp_mesh.get_group()
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
-            trainer.fit_loop._skip_backward = True  # the schedule already ran backward
-        self.setup_precision_plugin()
-        if trainer.state.fn == TrainerFn.FITTING:
-            _optimizers_to_device(self.optimizers, self.root_device)
+            trainer.fit_loop._skip_backward = True  # the schedule runs backward itself
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return self.lightning_module.pipeline_loss(output, target) / self._loss_scale
@@ -214,7 +198,8 @@ class PipelineStrategy(ParallelkitStrategy):
         losses: list[torch.Tensor] = []
         args = (inputs,) if self._has_first else ()
         run = self._schedule.step if train else self._schedule.eval
-        run(*args, target=target if self._has_last else None, losses=losses, return_outputs=False)
+        with self.loss_context():
+            run(*args, target=target if self._has_last else None, losses=losses, return_outputs=False)
         if self._has_last:
             loss = torch.stack([loss.detach() for loss in losses]).mean() * self._loss_scale
         else:

@@ -1,0 +1,5 @@
+"""Monitors that Lightning lacks."""
+
+from parallelkit.callbacks.activations import ActivationMemoryMonitor
+
+__all__ = ["ActivationMemoryMonitor"]

@@ -1,0 +1,79 @@
+"""Peak memory held by activations saved for backward, measured on any device (CPU included)."""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from typing import Any
+
+import lightning as L
+import torch
+
+
+class _SavedTensorLedger:
+    """Counts bytes of distinct storages that autograd holds for backward, and their peak.
+
+    Parameters (leaf tensors that require grad) are left out: they live whether or not a step is in flight.
+    A storage saved twice (a weight used by many microbatches, a view of an activation) counts once.
+    """
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.peak = 0
+        self._refs: Counter[tuple[int, int]] = Counter()
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        if tensor.is_leaf and tensor.requires_grad:
+            return tensor
+        storage = tensor.untyped_storage()
+        key = (storage.data_ptr(), storage.nbytes())
+        if self._refs[key] == 0:
+            self.live += key[1]
+            self.peak = max(self.peak, self.live)
+        self._refs[key] += 1
+        holder = _Held(tensor)
+        weakref.finalize(holder, self._release, key)
+        return holder
+
+    @staticmethod
+    def unpack(packed: Any) -> torch.Tensor:
+        return packed.tensor if isinstance(packed, _Held) else packed
+
+    def _release(self, key: tuple[int, int]) -> None:
+        self._refs[key] -= 1
+        if self._refs[key] == 0:
+            del self._refs[key]
+            self.live -= key[1]
+
+
+class _Held:
+    __slots__ = ("tensor", "__weakref__")
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor = tensor
+
+
+class ActivationMemoryMonitor(L.Callback):
+    """Logs `activation_peak_mb`: the most memory this rank's saved activations held during each training step.
+
+    Device-independent (it counts what autograd keeps for backward, not allocator statistics), so it shows
+    on CPU what pipeline schedules do to activation memory: GPipe keeps every microbatch's activations until
+    backward, 1F1B at most one per stage in flight. Each rank logs its own value (loggers write rank 0's).
+    """
+
+    def __init__(self) -> None:
+        self._ledger: _SavedTensorLedger | None = None
+        self._hooks: Any = None
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._ledger = _SavedTensorLedger()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._ledger.pack, self._ledger.unpack)
+        self._hooks.__enter__()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._hooks.__exit__(None, None, None)
+        pl_module.log("activation_peak_mb", self._ledger.peak / 2**20, on_step=True, rank_zero_only=True)

@@ -1,0 +1,162 @@
+"""Pipeline strategies: per-step losses equal one process's, validation too, and errors instead of hangs."""
+
+import pytest
+import torch
+from conftest import assert_ok, assert_same_losses, fit, step_losses
+from torch import nn
+
+from parallelkit.errors import PlanError
+from parallelkit.models import GPT
+from parallelkit.plan import StageModule, pipeline_layer_names, split_stages
+
+STEPS = 20
+
+
+def common(corpus, cache) -> list[str]:
+    return [
+        f"--trainer.max_steps={STEPS}",
+        "--trainer.limit_val_batches=0",
+        f"--data.init_args.paths={corpus}",
+        f"--data.init_args.cache_dir={cache}",
+    ]
+
+
+@pytest.fixture(scope="module")
+def baselines(tmp_path_factory, corpus):
+    root = tmp_path_factory.mktemp("single")
+    runs = {
+        "plain": [],
+        "clip": ["--trainer.gradient_clip_val=0.05"],
+        "val": ["--trainer.val_check_interval=10", "--trainer.limit_val_batches=3"],
+    }
+    for name, extra in runs.items():
+        assert_ok(fit("single.yaml", root / name, *common(corpus, root / "cache"), *extra))
+    return root
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "extra"),
+    [
+        ("gpipe_pp2_m4", "gpipe.yaml", []),
+        ("1f1b_pp2_m4", "1f1b.yaml", []),
+        (
+            "1f1b_pp4_m8",
+            "1f1b.yaml",
+            ["--trainer.devices=4", '--trainer.strategy.mesh_shape=[[4], ["pp"]]', "--trainer.strategy.microbatches=8"],
+        ),
+        ("interleaved_pp2_v2", "interleaved.yaml", []),
+        ("3d_pp2_fsdp1_tp2", "3d.yaml", []),
+        (
+            "pp2_fsdp2",
+            "1f1b.yaml",
+            [
+                "--trainer.devices=4",
+                '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "fsdp"]]',
+                "--data.init_args.batch_size=4",
+                "--trainer.strategy.microbatches=2",
+            ],
+        ),
+    ],
+)
+def test_pipeline_matches_single_process_losses(tmp_path, corpus, baselines, name, config, extra):
+    assert_ok(fit(config, tmp_path, *common(corpus, tmp_path / "cache"), *extra))
+    losses = step_losses(tmp_path)
+    assert_same_losses(step_losses(baselines / "plain"), losses)
+    assert losses[STEPS - 1] < losses[0] - 1.0
+
+
+def test_pipeline_clipping_uses_the_norm_across_stages_and_shards(tmp_path, corpus, baselines):
+    assert_ok(fit("3d.yaml", tmp_path, *common(corpus, tmp_path / "cache"), "--trainer.gradient_clip_val=0.05"))
+    clipped = step_losses(baselines / "clip")
+    assert any(abs(clipped[s] - step_losses(baselines / "plain")[s]) > 1e-4 for s in clipped)  # clipping bites
+    assert_same_losses(clipped, step_losses(tmp_path))
+
+
+def test_pipelined_validation_gives_the_single_process_val_loss(tmp_path, corpus, baselines):
+    val = ["--trainer.val_check_interval=10", "--trainer.limit_val_batches=3"]
+    assert_ok(fit("1f1b.yaml", tmp_path, *common(corpus, tmp_path / "cache"), *val))
+    expected = step_losses(baselines / "val", "val_loss")
+    assert len(expected) == 2
+    assert_same_losses(expected, step_losses(tmp_path, "val_loss"))
+    assert_same_losses(step_losses(baselines / "val"), step_losses(tmp_path))
+
+
+def test_1f1b_holds_fewer_activations_than_gpipe_at_pp2_m8(tmp_path, corpus):
+    peaks = {}
+    for schedule in ("gpipe", "1f1b"):
+        assert_ok(
+            fit(
+                f"{schedule}.yaml",
+                tmp_path / schedule,
+                *common(corpus, tmp_path / "cache"),
+                "--trainer.max_steps=3",
+                "--trainer.strategy.microbatches=8",
+                "--trainer.callbacks+=parallelkit.callbacks.ActivationMemoryMonitor",
+            )
+        )
+        peaks[schedule] = max(step_losses(tmp_path / schedule, "activation_peak_mb").values())
+    # Stage 0 keeps all 8 microbatches' activations under GPipe, at most pp=2 in flight under 1F1B.
+    assert peaks["1f1b"] < 0.5 * peaks["gpipe"], peaks
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--trainer.strategy.microbatches=3"], "microbatches=3 does not divide the per-process batch of 8"),
+        (
+            [
+                "--trainer.devices=4",
+                '--trainer.strategy.mesh_shape=[[4], ["pp"]]',
+                "--trainer.strategy.schedule=interleaved_1f1b",
+                "--trainer.strategy.stages_per_rank=2",
+                "--trainer.strategy.microbatches=8",
+            ],
+            "8 pipeline stages need at least 8 pipeline layers",
+        ),
+        (["--trainer.strategy.schedule=zigzag"], "schedule='zigzag' is not a pipeline schedule"),
+        (["--model=models.TinyMixer"], "needs TinyMixer.pipeline_layers"),
+        (["--trainer.strategy.microbatches=1"], "microbatches=1 is fewer than the 2 pipeline ranks"),
+    ],
+)
+def test_bad_pipeline_setup_fails_with_a_clear_error(tmp_path, corpus, extra, message):
+    proc = fit("1f1b.yaml", tmp_path, *common(corpus, tmp_path / "cache"), *extra, timeout=300)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr[-3000:]
+
+
+def test_stages_are_balanced_by_parameters_and_keep_names():
+    model = GPT(n_layer=4, n_head=2, n_embd=16)
+    layers = pipeline_layer_names(model)
+    assert layers == ["tok_emb", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]
+    stages = split_stages(model, layers, 2)
+    # 4096 (embedding) + 2 x 3104 (blocks) = 10304 against 2 x 3104 + 16 + 4096 (head) = 10320
+    assert stages == [["tok_emb", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "norm", "head"]]
+    assert split_stages(model, layers, 2, split_points=["blocks.3"])[1][0] == "blocks.3"
+    stage = StageModule(model, stages[1])
+    kept = ("blocks.2.", "blocks.3.", "norm.", "head.")
+    assert set(stage.state_dict()) == {k for k in model.state_dict() if k.startswith(kept)}
+    x = torch.randn(2, 5, 16)
+    torch.testing.assert_close(stage(x), model.head(model.norm(model.blocks[3](model.blocks[2](x)))))
+
+
+def test_split_errors_name_the_numbers():
+    model = GPT(n_layer=1, n_head=2, n_embd=16)
+    layers = pipeline_layer_names(model)
+    with pytest.raises(PlanError, match="5 pipeline stages need at least 5 pipeline layers.*has 4"):
+        split_stages(model, layers, 5)
+    with pytest.raises(PlanError, match="split_points=\\[3, 1\\]"):
+        split_stages(model, layers, 3, split_points=[3, 1])
+
+
+def test_tied_weights_across_pipeline_layers_are_refused():
+    model = GPT(n_layer=1, n_head=2, n_embd=16)
+    model.head.weight = model.tok_emb.weight
+    with pytest.raises(PlanError, match="head.weight is the same tensor as tok_emb.weight"):
+        pipeline_layer_names(model)
+
+
+def test_parameters_outside_pipeline_layers_are_refused():
+    model = GPT(n_layer=1, n_head=2, n_embd=16)
+    model.extra = nn.Linear(2, 2)
+    with pytest.raises(PlanError, match="parameters outside pipeline_layers: extra.weight"):
+        pipeline_layer_names(model)
