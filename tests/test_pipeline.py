@@ -160,3 +160,29 @@ def test_parameters_outside_pipeline_layers_are_refused():
     model.extra = nn.Linear(2, 2)
     with pytest.raises(PlanError, match="parameters outside pipeline_layers: extra.weight"):
         pipeline_layer_names(model)
+
+
+def test_1f1b_checkpoint_resumes_under_fsdp_with_the_same_next_losses(tmp_path, corpus, baselines):
+    """Stages keep parameter names, so a pp=2 checkpoint loads into a [[2, 1]] fsdp_tp layout."""
+    checkpoint = (
+        '--trainer.callbacks+={"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", '
+        f'"init_args": {{"dirpath": "{tmp_path / "ckpt"}", "every_n_train_steps": 10, "save_top_k": -1}}}}'
+    )
+    assert_ok(
+        fit("1f1b.yaml", tmp_path / "pp", *common(corpus, tmp_path / "cache"), "--trainer.max_steps=10", checkpoint)
+    )
+    (saved,) = (tmp_path / "ckpt").iterdir()
+    assert_ok(
+        fit(
+            "hybrid.yaml",
+            tmp_path / "fsdp",
+            *common(corpus, tmp_path / "cache"),
+            f"--ckpt_path={saved}",
+            "--trainer.devices=2",
+            '--trainer.strategy.mesh_shape=[[2, 1], ["fsdp", "tp"]]',
+            "--data.init_args.batch_size=4",
+        )
+    )
+    resumed = step_losses(tmp_path / "fsdp")
+    assert sorted(resumed) == list(range(10, STEPS))
+    assert_same_losses({s: v for s, v in step_losses(baselines / "plain").items() if s >= 10}, resumed)
