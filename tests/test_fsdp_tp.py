@@ -75,6 +75,11 @@ def test_layout_matches_single_process_losses(
     assert losses[STEPS - 1] < losses[0] - 1.0
 
 
+def test_hybrid_trains_in_bf16_mixed_close_to_fp32(tmp_path, corpus, baselines):
+    assert_ok(fit("hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache"), "--trainer.precision=bf16-mixed"))
+    assert_same_losses(baselines["plain"], step_losses(tmp_path), rtol=0.02)
+
+
 def test_user_model_with_its_own_plan_matches_single_process_on_2x2(tmp_path, corpus):
     model = ["--model=models.TinyMixer", *common(corpus, tmp_path / "cache")]
     assert_ok(fit("single.yaml", tmp_path / "single", *model))

@@ -35,10 +35,11 @@ def baselines(tmp_path_factory, corpus):
 
 
 @pytest.mark.parametrize(
-    ("name", "config", "extra"),
+    ("name", "config", "extra", "baseline"),
     [
-        ("gpipe_pp2_m4", "gpipe.yaml", []),
-        ("1f1b_pp2_m4", "1f1b.yaml", []),
+        ("gpipe_pp2_m4", "gpipe.yaml", [], "plain"),
+        ("1f1b_pp2_m4", "1f1b.yaml", [], "plain"),
+        ("1f1b_pp2_accumulate2", "1f1b.yaml", ["--trainer.accumulate_grad_batches=2"], "accumulate"),
         (
             "1f1b_pp4_m8",
             "1f1b.yaml",
@@ -70,6 +71,11 @@ def test_pipeline_clipping_uses_the_norm_across_stages_and_shards(tmp_path, corp
     clipped = step_losses(baselines / "clip")
     assert any(abs(clipped[s] - step_losses(baselines / "plain")[s]) > 1e-4 for s in clipped)  # clipping bites
     assert_same_losses(clipped, step_losses(tmp_path))
+
+
+def test_3d_trains_in_bf16_mixed_close_to_fp32(tmp_path, corpus, baselines):
+    assert_ok(fit("3d.yaml", tmp_path, *common(corpus, tmp_path / "cache"), "--trainer.precision=bf16-mixed"))
+    assert_same_losses(step_losses(baselines / "plain"), step_losses(tmp_path), rtol=0.02)
 
 
 def test_pipelined_validation_gives_the_single_process_val_loss(tmp_path, corpus, baselines):

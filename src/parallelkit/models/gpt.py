@@ -152,7 +152,8 @@ class GPT(L.LightningModule):
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy; works on vocab-sharded logits under `loss_parallel()`."""
-        loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        # In fp32 whatever the compute dtype: a bf16 log-softmax over the vocabulary loses digits.
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
         # Under loss parallelism the loss is a replicated DTensor; logging and metrics want a plain tensor.
         return loss.to_local() if isinstance(loss, DTensor) else loss
 

@@ -171,7 +171,9 @@ class PipelineStrategy(ParallelkitStrategy):
             pipeline_stages if self.schedule in MULTI_STAGE else pipeline_stages[0],
             n_microbatches=self.microbatches,
             loss_fn=self._loss,
-            scale_grads=True,  # the mean over microbatches: the whole batch's mean loss
+            # Not scale_grads: it divides all of .grad after the step, gradients accumulated by earlier
+            # accumulation micro-steps included. The loss is divided instead (see _run).
+            scale_grads=False,
         )
         self._has_first = any(stage.is_first for stage in pipeline_stages)
         self._has_last = any(stage.is_last for stage in pipeline_stages)
@@ -193,15 +195,17 @@ class PipelineStrategy(ParallelkitStrategy):
                 f"(data.batch_size). Fix: a batch size that is a multiple of {self.microbatches}, or microbatches "
                 "that divide it."
             )
-        # Lightning divides the loss by accumulate_grad_batches before its own backward; this is that division.
-        self._loss_scale = self.lightning_module.trainer.accumulate_grad_batches if train else 1
+        # The whole batch's mean loss is the mean over microbatches; Lightning also divides by
+        # accumulate_grad_batches before its own backward. Both divisions happen here, on each microbatch.
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches if train else 1
+        self._loss_scale = self.microbatches * accumulate
         losses: list[torch.Tensor] = []
         args = (inputs,) if self._has_first else ()
         run = self._schedule.step if train else self._schedule.eval
         with self.loss_context():
             run(*args, target=target if self._has_last else None, losses=losses, return_outputs=False)
         if self._has_last:
-            loss = torch.stack([loss.detach() for loss in losses]).mean() * self._loss_scale
+            loss = torch.stack([loss.detach().float() for loss in losses]).sum() * accumulate
         else:
             loss = torch.zeros((), device=self.root_device)
         dist.broadcast(loss, src=self._last_stage_rank, group=self.device_mesh["pp"].get_group())
