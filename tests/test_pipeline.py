@@ -44,9 +44,10 @@ def baselines(tmp_path_factory, corpus):
             "1f1b_pp4_m8",
             "1f1b.yaml",
             ["--trainer.devices=4", '--trainer.strategy.mesh_shape=[[4], ["pp"]]', "--trainer.strategy.microbatches=8"],
+            "plain",
         ),
-        ("interleaved_pp2_v2", "interleaved.yaml", []),
-        ("3d_pp2_fsdp1_tp2", "3d.yaml", []),
+        ("interleaved_pp2_v2", "interleaved.yaml", [], "plain"),
+        ("3d_pp2_fsdp1_tp2", "3d.yaml", [], "plain"),
         (
             "pp2_fsdp2",
             "1f1b.yaml",
@@ -56,13 +57,14 @@ def baselines(tmp_path_factory, corpus):
                 "--data.init_args.batch_size=4",
                 "--trainer.strategy.microbatches=2",
             ],
+            "plain",
         ),
     ],
 )
-def test_pipeline_matches_single_process_losses(tmp_path, corpus, baselines, name, config, extra):
+def test_pipeline_matches_single_process_losses(tmp_path, corpus, baselines, name, config, extra, baseline):
     assert_ok(fit(config, tmp_path, *common(corpus, tmp_path / "cache"), *extra))
     losses = step_losses(tmp_path)
-    assert_same_losses(step_losses(baselines / "plain"), losses)
+    assert_same_losses(step_losses(baselines / baseline), losses)
     assert losses[STEPS - 1] < losses[0] - 1.0
 
 
@@ -192,3 +194,22 @@ def test_1f1b_checkpoint_resumes_under_fsdp_with_the_same_next_losses(tmp_path, 
     resumed = step_losses(tmp_path / "fsdp")
     assert sorted(resumed) == list(range(10, STEPS))
     assert_same_losses({s: v for s, v in step_losses(baselines / "plain").items() if s >= 10}, resumed)
+
+
+def test_schedule_stats_log_busy_time_and_bubble_next_to_theory(tmp_path, corpus):
+    assert_ok(
+        fit(
+            "1f1b.yaml",
+            tmp_path,
+            *common(corpus, tmp_path / "cache"),
+            "--trainer.max_steps=3",
+            "--trainer.strategy.schedule_stats=true",
+        )
+    )
+    theory = step_losses(tmp_path, "pp_bubble_theory")
+    assert list(theory.values()) == pytest.approx([1 / 5] * 3)  # (p - 1) / (m + p - 1) with p=2, m=4
+    for rank in (0, 1):
+        busy = step_losses(tmp_path, f"pp_busy_s/rank{rank}")
+        bubble = step_losses(tmp_path, f"pp_bubble/rank{rank}")
+        assert len(busy) == 3 and all(b > 0 for b in busy.values())
+        assert all(0 <= b < 1 for b in bubble.values())

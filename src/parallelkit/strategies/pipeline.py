@@ -12,6 +12,8 @@ strategy computes the loss with the model's `pipeline_loss` on the last stage an
 
 from __future__ import annotations
 
+import functools
+import time
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -47,6 +49,8 @@ class PipelineStrategy(ParallelkitStrategy):
         stages_per_rank: Virtual stages per rank for interleaved schedules (default 2; 1 otherwise).
         split_points: Where each stage after the first begins, as indices into the expanded pipeline
             layers or as layer names (e.g. ["blocks.2"]). Default: balanced by parameter count.
+        schedule_stats: Log each step's per-stage busy time and measured bubble fraction (`pp_bubble`), next
+            to the theoretical one (`pp_bubble_theory`). Adds a device synchronisation per microbatch.
         reshard_after_forward: FSDP policy inside each stage. Default "never": resharding would repeat the
             all-gather for every microbatch.
         sequence_parallel: Sequence parallelism inside the tp group (default: on when tp > 1).
@@ -67,6 +71,7 @@ class PipelineStrategy(ParallelkitStrategy):
         microbatches: int | None = None,
         stages_per_rank: int | None = None,
         split_points: list[int | str] | None = None,
+        schedule_stats: bool = False,
         reshard_after_forward: Literal["default", "always", "never"] = "never",
         sequence_parallel: bool | None = None,
         loss_parallel: bool = False,
@@ -103,6 +108,8 @@ class PipelineStrategy(ParallelkitStrategy):
         self.stages_per_rank = stages_per_rank
         self._microbatches = microbatches
         self.split_points = split_points
+        self.schedule_stats = schedule_stats
+        self._clock: _StageClock | None = None
         self._schedule: Any = None
         self._loss_scale = 1.0
 
@@ -175,6 +182,8 @@ class PipelineStrategy(ParallelkitStrategy):
             # accumulation micro-steps included. The loss is divided instead (see _run).
             scale_grads=False,
         )
+        if self.schedule_stats:
+            self._clock = _StageClock(pipeline_stages, self.root_device)
         self._has_first = any(stage.is_first for stage in pipeline_stages)
         self._has_last = any(stage.is_last for stage in pipeline_stages)
         self._last_stage_rank = dist.get_global_rank(pp_mesh.get_group(), self.pp_size - 1)
@@ -202,14 +211,37 @@ class PipelineStrategy(ParallelkitStrategy):
         losses: list[torch.Tensor] = []
         args = (inputs,) if self._has_first else ()
         run = self._schedule.step if train else self._schedule.eval
+        timed = train and self._clock is not None
+        if timed:
+            self._clock.start()
         with self.loss_context():
             run(*args, target=target if self._has_last else None, losses=losses, return_outputs=False)
+        if timed:
+            self._log_schedule_stats(*self._clock.stop())
         if self._has_last:
             loss = torch.stack([loss.detach().float() for loss in losses]).sum() * accumulate
         else:
             loss = torch.zeros((), device=self.root_device)
         dist.broadcast(loss, src=self._last_stage_rank, group=self.device_mesh["pp"].get_group())
         return loss
+
+    @property
+    def theoretical_bubble(self) -> float:
+        """Idle fraction of an ideal schedule: (p - 1) / (v m + p - 1) for p ranks, v stages each, m microbatches."""
+        p, v, m = self.pp_size, self.stages_per_rank, self.microbatches
+        return (p - 1) / (v * m + p - 1)
+
+    def _log_schedule_stats(self, busy: float, wall: float) -> None:
+        group = self.device_mesh["pp"].get_group()
+        times = [torch.zeros(2) for _ in range(self.pp_size)]
+        dist.all_gather(times, torch.tensor([busy, wall]), group=group)
+        module = self.lightning_module
+        for rank, (rank_busy, rank_wall) in enumerate(times):
+            module.log(f"pp_busy_s/rank{rank}", rank_busy.item(), on_step=True, rank_zero_only=True)
+            module.log(f"pp_bubble/rank{rank}", 1 - (rank_busy / rank_wall).item(), on_step=True, rank_zero_only=True)
+        bubble = 1 - sum(b for b, _ in times).item() / sum(w for _, w in times).item()
+        module.log("pp_bubble", bubble, on_step=True, prog_bar=True, rank_zero_only=True)
+        module.log("pp_bubble_theory", self.theoretical_bubble, on_step=True, rank_zero_only=True)
 
     def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         module = self.lightning_module
@@ -235,3 +267,43 @@ class PipelineStrategy(ParallelkitStrategy):
         self.lightning_module.log(
             "test_loss", loss, on_epoch=True, sync_dist=True, sync_dist_group=data_parallel_group(self)
         )
+
+
+class _StageClock:
+    """Time this rank's pipeline stages spend computing forward and backward chunks within one schedule step.
+
+    Everything else in the step (waiting for a neighbour's activations or gradients, or for nothing at all)
+    is the bubble.
+    """
+
+    ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+    def __init__(self, stages: list[Any], device: torch.device) -> None:
+        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self._busy = 0.0
+        self._start = 0.0
+        for stage in stages:
+            for action in self.ACTIONS:
+                setattr(stage, action, self._timed(getattr(stage, action)))
+
+    def _timed(self, action: Any) -> Any:
+        @functools.wraps(action)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            self._sync()
+            begin = time.perf_counter()
+            try:
+                return action(*args, **kwargs)
+            finally:
+                self._sync()
+                self._busy += time.perf_counter() - begin
+
+        return timed
+
+    def start(self) -> None:
+        self._sync()
+        self._busy, self._start = 0.0, time.perf_counter()
+
+    def stop(self) -> tuple[float, float]:
+        """(busy seconds, step seconds) since `start`."""
+        self._sync()
+        return self._busy, time.perf_counter() - self._start
