@@ -1,8 +1,10 @@
 """Pipeline strategies: per-step losses equal one process's, validation too, and errors instead of hangs."""
 
+import sys
+
 import pytest
 import torch
-from conftest import assert_ok, assert_same_losses, fit, step_losses
+from conftest import SCRIPTS, assert_ok, assert_same_losses, fit, run, step_losses
 from torch import nn
 
 from parallelkit.errors import PlanError
@@ -47,6 +49,7 @@ def baselines(tmp_path_factory, corpus):
             "plain",
         ),
         ("interleaved_pp2_v2", "interleaved.yaml", [], "plain"),
+        ("looped_bfs_pp2_v2", "interleaved.yaml", ["--trainer.strategy.schedule=looped_bfs"], "plain"),
         ("3d_pp2_fsdp1_tp2", "3d.yaml", [], "plain"),
         (
             "pp2_fsdp2",
@@ -213,3 +216,9 @@ def test_schedule_stats_log_busy_time_and_bubble_next_to_theory(tmp_path, corpus
         bubble = step_losses(tmp_path, f"pp_bubble/rank{rank}")
         assert len(busy) == 3 and all(b > 0 for b in busy.values())
         assert all(0 <= b < 1 for b in bubble.values())
+
+
+def test_pipelined_predict_returns_the_unsplit_models_outputs_on_every_rank(tmp_path):
+    proc = run([sys.executable, str(SCRIPTS / "pipeline_predict.py")], tmp_path)
+    assert_ok(proc)
+    assert proc.stdout.count("predictions equal the unsplit model's") == 2

@@ -112,6 +112,7 @@ class PipelineStrategy(ParallelkitStrategy):
         self._clock: _StageClock | None = None
         self._schedule: Any = None
         self._loss_scale = 1.0
+        self._predicting = False
 
     def auto_mesh(self, num_nodes: int, devices: int) -> MeshShape:
         """Every process a pipeline stage."""
@@ -193,17 +194,22 @@ class PipelineStrategy(ParallelkitStrategy):
             trainer.fit_loop._skip_backward = True  # the schedule runs backward itself
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._predicting:  # torch's schedules compute a loss on the last stage whatever the step is for
+            return output.new_zeros(())
         return self.lightning_module.pipeline_loss(output, target) / self._loss_scale
 
-    def _run(self, batch: Any, *, train: bool) -> torch.Tensor:
-        """One schedule step over a process's batch; returns its mean loss, the same on every stage."""
-        inputs, target = batch
+    def _check_batch(self, inputs: torch.Tensor) -> None:
         if inputs.shape[0] % self.microbatches:
             raise ConfigError(
                 f"microbatches={self.microbatches} does not divide the per-process batch of {inputs.shape[0]} "
                 f"(data.batch_size). Fix: a batch size that is a multiple of {self.microbatches}, or microbatches "
                 "that divide it."
             )
+
+    def _run(self, batch: Any, *, train: bool) -> torch.Tensor:
+        """One schedule step over a process's batch; returns its mean loss, the same on every stage."""
+        inputs, target = batch
+        self._check_batch(inputs)
         # The whole batch's mean loss is the mean over microbatches; Lightning also divides by
         # accumulate_grad_batches before its own backward. Both divisions happen here, on each microbatch.
         accumulate = self.lightning_module.trainer.accumulate_grad_batches if train else 1
@@ -262,7 +268,21 @@ class PipelineStrategy(ParallelkitStrategy):
             "val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True, sync_dist_group=data_parallel_group(self)
         )
 
-    def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
+    def predict_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
+        """The last stage's output for the batch's inputs (the first element of a tuple batch), on every rank."""
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        self._check_batch(inputs)
+        args = (inputs,) if self._has_first else ()
+        target = inputs.new_zeros(inputs.shape[0]) if self._has_last else None  # the schedule wants one
+        self._predicting = True
+        try:
+            output = self._schedule.eval(*args, target=target, return_outputs=True)
+        finally:
+            self._predicting = False
+        shared = [output if self._has_last else None]
+        dist.broadcast_object_list(shared, src=self._last_stage_rank, group=self.device_mesh["pp"].get_group())
+        return shared[0]
+
         loss = self._run(batch, train=False)
         self.lightning_module.log(
             "test_loss", loss, on_epoch=True, sync_dist=True, sync_dist_group=data_parallel_group(self)
