@@ -29,6 +29,7 @@ def baselines(tmp_path_factory, corpus):
     runs = {
         "plain": [],
         "clip": ["--trainer.gradient_clip_val=0.05"],
+        "accumulate": ["--trainer.accumulate_grad_batches=2"],
         "val": ["--trainer.val_check_interval=10", "--trainer.limit_val_batches=3"],
     }
     for name, extra in runs.items():
