@@ -69,7 +69,7 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
     )
 
 
-def fit(config: str, save_dir: Path, *overrides: str, timeout: float = 600) -> subprocess.CompletedProcess:
+def fit(config: str, save_dir: Path, *overrides: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
     """`parallelkit fit --config configs/<config>` logging CSV under `save_dir`, quietly."""
     save_dir.mkdir(parents=True, exist_ok=True)
     return parallelkit(
@@ -82,6 +82,7 @@ def fit(config: str, save_dir: Path, *overrides: str, timeout: float = 600) -> s
         *overrides,
         cwd=save_dir,
         timeout=timeout,
+        **env,
     )
 
 

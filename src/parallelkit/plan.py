@@ -228,7 +228,7 @@ def apply_fsdp(
     dp_mesh: DeviceMesh,
     *,
     param_dtype: Any = None,
-    reduce_dtype: Any = None,
+    comm_hook: Any = None,
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
 ) -> None:
@@ -236,13 +236,16 @@ def apply_fsdp(
 
     `reshard_after_forward`: "always" frees every gathered weight after its forward, "never" keeps them all,
     "default" frees all but the last unit and the root: backward needs those first, so freeing them would
-    only repeat their all-gather at once.
+    only repeat their all-gather at once. `comm_hook` (a `parallelkit.comm.CommHook`) sets the gradient
+    reduction dtype and may replace the reduce-scatter of every module it shards.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     options = {
         "mesh": dp_mesh,
-        "mp_policy": MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype),
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=comm_hook.reduce_dtype if comm_hook is not None else None
+        ),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
     for index, unit in enumerate(units):
@@ -251,6 +254,9 @@ def apply_fsdp(
         fully_shard(unit, reshard_after_forward=reshard, **options)
     # The root holds what no unit does (embeddings, final norm, head).
     fully_shard(root, reshard_after_forward=reshard_after_forward == "always", **options)
+    if comm_hook is not None:
+        for module in (*units, root):
+            comm_hook.configure(module)
 
 
 def parallelize(
@@ -263,7 +269,7 @@ def parallelize(
     activation_checkpointing: str | int = "none",
     reshard_after_forward: str = "default",
     param_dtype: Any = None,
-    reduce_dtype: Any = None,
+    comm_hook: Any = None,
     cpu_offload: bool = False,
 ) -> list[nn.Module]:
     """Make `model` parallel over `mesh`, in the one fixed order: tensor parallel -> pipeline split ->
@@ -298,7 +304,7 @@ def parallelize(
                 root_units,
                 mesh["replicate", "fsdp"] if hsdp else dp_mesh,
                 param_dtype=param_dtype,
-                reduce_dtype=reduce_dtype,
+                comm_hook=comm_hook,
                 reshard_after_forward=reshard_after_forward,
                 cpu_offload=cpu_offload,
             )

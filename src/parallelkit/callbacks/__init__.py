@@ -1,5 +1,6 @@
 """Monitors that Lightning lacks."""
 
 from parallelkit.callbacks.activations import ActivationMemoryMonitor
+from parallelkit.callbacks.comm import CommunicationMonitor
 
-__all__ = ["ActivationMemoryMonitor"]
+__all__ = ["ActivationMemoryMonitor", "CommunicationMonitor"]

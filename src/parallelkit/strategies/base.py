@@ -22,6 +22,9 @@ from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
 
+from parallelkit.callbacks.comm import CommunicationMonitor
+from parallelkit.comm import CommHook
+from parallelkit.comm import resolve as resolve_comm_hook
 from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import clip_grad_norm_
 from parallelkit.mesh import MeshSpec, data_parallel_mesh
@@ -71,7 +74,8 @@ class ParallelkitStrategy(ModelParallelStrategy):
         loss_parallel: bool = False,
         activation_checkpointing: str | int = "none",
         cpu_offload: bool = False,
-        comm_precision: str | None = None,
+        comm_precision: str | CommHook | None = None,
+        profile_communication: bool = False,
         timeout: float | timedelta = 1800.0,
         process_group_backend: str | None = None,
         save_distributed_checkpoint: bool = True,
@@ -81,16 +85,12 @@ class ParallelkitStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
         )
-        # Parsed now so a malformed shape fails at construction; "auto" waits for the world size.
-        self.mesh_spec = None if mesh_shape == "auto" else MeshSpec.parse(mesh_shape)
-        if comm_precision not in (None, "fp32"):
-            raise ConfigError(
-                f"comm_precision={comm_precision!r} is not available: this version communicates gradients in fp32 "
-                "only. Remove comm_precision or set it to 'fp32'."
-            )
+        # Only stored: checked in _configure_launcher (LightningCLI would bury a constructor's error in its own).
+        self.mesh_shape = mesh_shape
+        self.mesh_spec: MeshSpec | None = None
         self.comm_precision = comm_precision
-        if reshard_after_forward not in ("default", "always", "never"):
-            raise ConfigError(f"reshard_after_forward={reshard_after_forward!r}: use 'default', 'always' or 'never'.")
+        self.comm_hook: CommHook | None = None
+        self.profile_communication = profile_communication
         self.reshard_after_forward = reshard_after_forward
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
@@ -98,11 +98,21 @@ class ParallelkitStrategy(ModelParallelStrategy):
         self.cpu_offload = cpu_offload
 
     # -- configuration, checked in the launching process before any worker starts --------------------------
+    def check_options(self) -> None:
+        """Validate the constructor's arguments (subclasses add theirs); raises ConfigError/MeshError."""
+        if self.reshard_after_forward not in ("default", "always", "never"):
+            raise ConfigError(
+                f"reshard_after_forward={self.reshard_after_forward!r}: use 'default', 'always' or 'never'."
+            )
+        self.comm_hook = resolve_comm_hook(self.comm_precision)
+
     def _configure_launcher(self) -> None:
         # Lightning calls this once it has given the strategy its devices, nodes and precision, and before it
-        # launches: the last moment to fail fast on a mesh that does not fit, with no process group yet.
-        spec = self.mesh_spec or MeshSpec.parse(self.auto_mesh(self.num_nodes, self.num_processes))
-        self.mesh_spec = self._full_spec(spec.resolve(self.num_nodes, self.num_processes))
+        # launches: the last moment to fail fast on bad options or a mesh that does not fit, with no process
+        # group yet.
+        self.check_options()
+        shape = self.auto_mesh(self.num_nodes, self.num_processes) if self.mesh_shape == "auto" else self.mesh_shape
+        self.mesh_spec = self._full_spec(MeshSpec.parse(shape).resolve(self.num_nodes, self.num_processes))
         if not isinstance(self.precision_plugin, ShardedPrecision):
             self.precision_plugin = ShardedPrecision(self.precision_plugin.precision)
         if self.cpu_offload and self.root_device.type == "cpu":
@@ -177,6 +187,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
             "activation_checkpointing": self.activation_checkpointing,
             "reshard_after_forward": self.reshard_after_forward,
             "param_dtype": self.precision_plugin.param_dtype,
+            "comm_hook": self.comm_hook,
             "cpu_offload": self.cpu_offload,
         }
 
@@ -189,6 +200,8 @@ class ParallelkitStrategy(ModelParallelStrategy):
 
         assert self.model is not None and self.accelerator is not None
         self.accelerator.setup(trainer)
+        if self.profile_communication and not any(isinstance(c, CommunicationMonitor) for c in trainer.callbacks):
+            trainer.callbacks.append(CommunicationMonitor())
         self.parallelize_model(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

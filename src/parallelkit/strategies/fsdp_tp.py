@@ -31,7 +31,10 @@ class FSDPTPStrategy(ParallelkitStrategy):
         activation_checkpointing: "none", "full" (recompute every block in backward) or an int n (every
             n-th block).
         cpu_offload: Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP2; GPU runs).
-        comm_precision: Gradient communication precision; only "fp32" in this version.
+        comm_precision: How gradients are reduced: a comm hook name ("fp32" default, "bf16", "fp16", "int8", or
+            one a plugin registers) or a `parallelkit.comm.CommHook`.
+        profile_communication: Log every collective per optimizer step (count, bytes, time by kind) and print
+            a summary at the end of fit (`parallelkit.callbacks.CommunicationMonitor`).
         timeout: Seconds (or a timedelta) a collective may wait before the job fails instead of hanging.
         process_group_backend: "gloo" or "nccl"; default chosen from the accelerator.
         save_distributed_checkpoint: Each rank writes its shards (DCP) instead of rank 0 a single file.

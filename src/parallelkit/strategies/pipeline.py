@@ -22,6 +22,7 @@ import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from parallelkit.comm import CommHook
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.mesh import data_parallel_group
 from parallelkit.plan import parallelize, pipeline_layer_names, split_stages
@@ -56,7 +57,10 @@ class PipelineStrategy(ParallelkitStrategy):
         sequence_parallel: Sequence parallelism inside the tp group (default: on when tp > 1).
         loss_parallel: Cross-entropy on vocab-sharded logits on the last stage (tp > 1 only).
         activation_checkpointing: "none", "full" or every n-th block.
-        comm_precision: Gradient communication precision; only "fp32" in this version.
+        comm_precision: How gradients are reduced: a comm hook name ("fp32" default, "bf16", "fp16", "int8", or
+            one a plugin registers) or a `parallelkit.comm.CommHook`.
+        profile_communication: Log every collective per optimizer step (count, bytes, time by kind) and print
+            a summary at the end of fit (`parallelkit.callbacks.CommunicationMonitor`).
         timeout: Seconds (or a timedelta) a collective may wait before the job fails instead of hanging.
         process_group_backend: "gloo" or "nccl"; default chosen from the accelerator.
         save_distributed_checkpoint: Each rank writes its shards (DCP) instead of rank 0 a single file.
@@ -76,7 +80,8 @@ class PipelineStrategy(ParallelkitStrategy):
         sequence_parallel: bool | None = None,
         loss_parallel: bool = False,
         activation_checkpointing: str | int = "none",
-        comm_precision: str | None = None,
+        comm_precision: str | CommHook | None = None,
+        profile_communication: bool = False,
         timeout: float | timedelta = 1800.0,
         process_group_backend: str | None = None,
         save_distributed_checkpoint: bool = True,
@@ -88,24 +93,13 @@ class PipelineStrategy(ParallelkitStrategy):
             loss_parallel=loss_parallel,
             activation_checkpointing=activation_checkpointing,
             comm_precision=comm_precision,
+            profile_communication=profile_communication,
             timeout=timeout,
             process_group_backend=process_group_backend,
             save_distributed_checkpoint=save_distributed_checkpoint,
         )
-        key = schedule.lower()
-        if key not in SCHEDULES:
-            raise ConfigError(f"schedule={schedule!r} is not a pipeline schedule; use one of {', '.join(SCHEDULES)}.")
-        multi = key in MULTI_STAGE
-        stages_per_rank = stages_per_rank if stages_per_rank is not None else (2 if multi else 1)
-        if stages_per_rank < 1 or (not multi and stages_per_rank != 1):
-            raise ConfigError(
-                f"stages_per_rank={stages_per_rank} with schedule={schedule!r}: single-stage schedules (gpipe, 1f1b) "
-                f"take 1; interleaved ones ({', '.join(sorted(MULTI_STAGE))}) take 1 or more."
-            )
-        if microbatches is not None and microbatches < 1:
-            raise ConfigError(f"microbatches={microbatches}: use a positive number that divides data.batch_size.")
-        self.schedule = key
-        self.stages_per_rank = stages_per_rank
+        self.schedule = schedule.lower()
+        self._stages_per_rank = stages_per_rank
         self._microbatches = microbatches
         self.split_points = split_points
         self.schedule_stats = schedule_stats
@@ -113,6 +107,29 @@ class PipelineStrategy(ParallelkitStrategy):
         self._schedule: Any = None
         self._loss_scale = 1.0
         self._predicting = False
+
+    def check_options(self) -> None:
+        super().check_options()
+        if self.schedule not in SCHEDULES:
+            raise ConfigError(
+                f"schedule={self.schedule!r} is not a pipeline schedule; use one of {', '.join(SCHEDULES)}."
+            )
+        if self._stages_per_rank is not None and (
+            self._stages_per_rank < 1 or (self.schedule not in MULTI_STAGE and self._stages_per_rank != 1)
+        ):
+            raise ConfigError(
+                f"stages_per_rank={self._stages_per_rank} with schedule={self.schedule!r}: single-stage schedules "
+                f"(gpipe, 1f1b) take 1; interleaved ones ({', '.join(sorted(MULTI_STAGE))}) take 1 or more."
+            )
+        if self._microbatches is not None and self._microbatches < 1:
+            raise ConfigError(f"microbatches={self._microbatches}: use a positive number that divides data.batch_size.")
+
+    @property
+    def stages_per_rank(self) -> int:
+        """Virtual stages per rank: as given, else 2 for interleaved schedules and 1 for the others."""
+        if self._stages_per_rank is not None:
+            return self._stages_per_rank
+        return 2 if self.schedule in MULTI_STAGE else 1
 
     def auto_mesh(self, num_nodes: int, devices: int) -> MeshShape:
         """Every process a pipeline stage."""

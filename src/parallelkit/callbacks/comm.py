@@ -1,0 +1,137 @@
+"""What crosses the wire: every collective per optimizer step, by kind, with its count, bytes and time."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from typing import Any
+
+import lightning as L
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+KINDS = {
+    "allgather": "all_gather",
+    "all_gather": "all_gather",
+    "reduce_scatter": "reduce_scatter",
+    "allreduce": "all_reduce",
+    "all_reduce": "all_reduce",
+    "alltoall": "all_to_all",
+    "all_to_all": "all_to_all",
+    "broadcast": "broadcast",
+    "send": "send",
+    "recv": "recv",
+}
+"""Substrings of c10d / functional-collective op names -> the kind they are counted under."""
+
+
+def _kind(op_name: str) -> str | None:
+    return next((kind for key, kind in KINDS.items() if key in op_name), None)
+
+
+def _payload_bytes(args: Any) -> int:
+    """Logical size of a collective: its largest tensor argument (a list counts as the sum of its tensors),
+    i.e. the unsharded side: all_gather's output, reduce_scatter's input, the tensor of the others."""
+
+    def size(value: Any) -> int:
+        if isinstance(value, torch.Tensor):
+            return value.numel() * value.element_size()
+        if isinstance(value, (list, tuple)):
+            return sum(size(v) for v in value)
+        return 0
+
+    return max((size(a) for a in args), default=0)
+
+
+class _CollectiveCounter(TorchDispatchMode):
+    """Sees every c10d and functional-collective op dispatched while active (FSDP2, DTensor, pipelining, DDP)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.totals: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])  # count, bytes, seconds
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func.namespace not in ("c10d", "_c10d_functional"):
+            return func(*args, **(kwargs or {}))
+        kind = _kind(str(func))
+        begin = time.perf_counter()
+        result = func(*args, **(kwargs or {}))
+        if kind is not None:
+            entry = self.totals[kind]
+            entry[0] += 1
+            entry[1] += _payload_bytes(args)
+            entry[2] += time.perf_counter() - begin
+        return result
+
+
+class CommunicationMonitor(L.Callback):
+    """Logs, per optimizer step and per collective kind (all_gather, reduce_scatter, all_reduce, all_to_all,
+    broadcast, send, recv): `comm/<kind>_count`, `comm/<kind>_bytes` and `comm/<kind>_s`, through the
+    trainer's loggers, and prints a summary table on rank 0 at the end of fit.
+
+    Bytes are the logical size of each collective on this rank (the unsharded side: all_gather's output,
+    reduce_scatter's input). Time is host time in the collective calls: for asynchronous collectives (FSDP2 on
+    GPUs) that is the launch, not the transfer. Enabled by `profile_communication: true` on any parallelkit
+    strategy, or added as a callback with any strategy.
+    """
+
+    def __init__(self) -> None:
+        self._counter: _CollectiveCounter | None = None
+        self._window: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+        self._all: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
+        self._steps = 0
+        self._step_before = 0
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._step_before = trainer.global_step
+        self._counter = _CollectiveCounter()
+        self._counter.__enter__()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        self._stop(self._window)
+        if trainer.global_step == self._step_before:
+            return  # an accumulation micro-step: its traffic joins the optimizer step that ends the window
+        self._steps += 1
+        for kind, (count, nbytes, seconds) in sorted(self._window.items()):
+            pl_module.log(f"comm/{kind}_count", float(count), on_step=True, rank_zero_only=True)
+            pl_module.log(f"comm/{kind}_bytes", float(nbytes), on_step=True, rank_zero_only=True)
+            pl_module.log(f"comm/{kind}_s", seconds, on_step=True, rank_zero_only=True)
+            totals = self._all[kind]
+            for i, value in enumerate((count, nbytes, seconds)):
+                totals[i] += value
+        self._window.clear()
+
+    def _stop(self, into: dict[str, list[float]]) -> None:
+        if self._counter is None:
+            return
+        self._counter.__exit__(None, None, None)
+        for kind, values in self._counter.totals.items():
+            for i, value in enumerate(values):
+                into[kind][i] += value
+        self._counter = None
+
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        self._stop(self._window)
+
+    def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.global_rank != 0 or not self._steps:
+            return
+        from rich.console import Console
+        from rich.table import Table
+
+        table = Table(title=f"communication per optimizer step, rank 0 (mean of {self._steps} steps)")
+        for column in ("collective", "count", "MB", "ms"):
+            table.add_column(column, justify="right")
+        for kind, (count, nbytes, seconds) in sorted(self._all.items()):
+            n = self._steps
+            table.add_row(kind, f"{count / n:.1f}", f"{nbytes / n / 2**20:.3f}", f"{1000 * seconds / n:.2f}")
+        Console().print(table)
+
+    @property
+    def totals(self) -> dict[str, tuple[float, float, float]]:
+        """Totals over all logged optimizer steps: kind -> (count, bytes, seconds)."""
+        return {kind: tuple(values) for kind, values in self._all.items()}

@@ -1,0 +1,87 @@
+"""Communication-precision hooks: how a strategy reduces gradients across data-parallel ranks.
+
+A hook is found by name (`comm_precision: bf16`) among the `parallelkit.comm_hooks` entry points (the
+built-ins register there too) or passed as an object. Strategies apply it to every FSDP2 module: the
+reduce-scatter over `fsdp` and, for HSDP, the all-reduce over `replicate` run in `reduce_dtype`, and a
+hook may replace the reduce-scatter itself (`configure`). Pipeline send/recv of activations and gradients
+stay in the compute dtype; tensor-parallel collectives are not gradient reductions and are untouched.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from parallelkit.errors import ConfigError
+
+
+class CommHook:
+    """Base class of communication-precision hooks.
+
+    Subclass it, set `reduce_dtype` (the dtype gradients are reduced in) and, to change the collective itself,
+    override `configure` (called once per FSDP2 module after sharding). Register the class under the
+    `parallelkit.comm_hooks` entry point to make it selectable by name.
+    """
+
+    name: str = "custom"
+    reduce_dtype: torch.dtype | None = torch.float32
+    bytes_ratio: float = 1.0
+    """Bytes on the wire relative to an fp32 reduction (what the hook claims and the tests hold it to)."""
+
+    def configure(self, module: Any) -> None:
+        """Adjust one FSDP2 module's gradient communication (default: nothing beyond `reduce_dtype`)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r}, reduce_dtype={self.reduce_dtype})"
+
+
+class FP32(CommHook):
+    """Gradients reduced in fp32 (the default): exact, 4 bytes per gradient element."""
+
+    name = "fp32"
+    reduce_dtype = torch.float32
+
+
+class BF16(CommHook):
+    """Gradients cast to bf16 for the reduction, then accumulated into fp32 shards: half the bytes, ~3
+    significant digits per reduced element. No overflow risk (fp32's range)."""
+
+    name = "bf16"
+    reduce_dtype = torch.bfloat16
+    bytes_ratio = 0.5
+
+
+class FP16(CommHook):
+    """Gradients reduced in fp16: half the bytes, more mantissa than bf16 but a narrow range, so FSDP2 divides
+    before and after the sum (by about sqrt(world size) each) so that it cannot overflow."""
+
+    name = "fp16"
+    reduce_dtype = torch.float16
+    bytes_ratio = 0.5
+
+
+def resolve(hook: str | CommHook | None) -> CommHook:
+    """The hook for a strategy's `comm_precision`: None means fp32; a name is looked up among the plugins."""
+    if hook is None:
+        return FP32()
+    if isinstance(hook, CommHook):
+        return hook
+    from parallelkit.plugins import comm_hooks
+
+    available = comm_hooks()
+    if hook not in available:
+        raise ConfigError(
+            f"comm_precision={hook!r} names no installed comm hook; available: {', '.join(sorted(available))}. "
+            "Third-party hooks register under the 'parallelkit.comm_hooks' entry point."
+        )
+    obj = available[hook].obj
+    instance = obj() if isinstance(obj, type) else obj
+    if not isinstance(instance, CommHook):
+        raise ConfigError(
+            f"comm hook {hook!r} from {available[hook].origin} is {instance!r}, not a parallelkit.comm.CommHook."
+        )
+    return instance
+
+
+__all__ = ["BF16", "FP16", "FP32", "CommHook", "resolve"]

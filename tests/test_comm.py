@@ -1,0 +1,145 @@
+"""Communication-precision hooks, held to the bytes they claim (measured by the profiler) and to the losses."""
+
+import pytest
+from conftest import assert_ok, assert_same_losses, fit, step_losses
+from test_plugins import install_fake_distribution
+
+from parallelkit.models import GPT
+from parallelkit.plan import fsdp_units
+
+FSDP4 = [
+    '--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]',
+    "--trainer.devices=4",
+    "--data.init_args.batch_size=2",
+]
+
+
+def common(corpus, cache, steps: int = 20) -> list[str]:
+    return [
+        f"--trainer.max_steps={steps}",
+        "--trainer.limit_val_batches=0",
+        f"--data.init_args.paths={corpus}",
+        f"--data.init_args.cache_dir={cache}",
+        "--trainer.strategy.profile_communication=true",
+    ]
+
+
+def reference_model() -> GPT:
+    return GPT(n_layer=2, n_head=4, n_embd=64)  # configs' model: every dim divisible by 4, so FSDP adds no padding
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, corpus):
+    """[[4, 1]] runs under each built-in hook, and the single-process baseline."""
+    root = tmp_path_factory.mktemp("comm")
+    assert_ok(fit("single.yaml", root / "single", *common(corpus, root / "cache")[:-1]))
+    for hook in ("fp32", "bf16", "fp16", "int8"):
+        assert_ok(
+            fit(
+                "hybrid.yaml",
+                root / hook,
+                *common(corpus, root / "cache"),
+                *FSDP4,
+                f"--trainer.strategy.comm_precision={hook}",
+            )
+        )
+    return root
+
+
+def test_fp32_gradient_bytes_equal_four_bytes_per_parameter_per_step(runs):
+    params = sum(p.numel() for p in reference_model().parameters())
+    per_step = step_losses(runs / "fp32", "comm/reduce_scatter_bytes")
+    assert len(per_step) == 20
+    # One reduce-scatter of every (unsharded, fp32) gradient per optimizer step.
+    assert set(per_step.values()) == {4.0 * params}
+
+
+@pytest.mark.parametrize("hook", ["bf16", "fp16"])
+def test_half_precision_hooks_halve_gradient_bytes(runs, hook):
+    fp32 = step_losses(runs / "fp32", "comm/reduce_scatter_bytes")
+    half = step_losses(runs / hook, "comm/reduce_scatter_bytes")
+    for step in fp32:
+        assert half[step] / fp32[step] == pytest.approx(0.5, rel=0.01)
+
+
+def test_fp32_hook_matches_single_process_losses(runs):
+    assert_same_losses(step_losses(runs / "single"), step_losses(runs / "fp32"), rtol=1e-6)
+
+
+def test_int8_hook_sends_a_quarter_of_the_bytes_and_still_trains(runs):
+    fp32 = step_losses(runs / "fp32", "comm/reduce_scatter_bytes")
+    int8 = step_losses(runs / "int8", "comm/all_to_all_bytes")
+    assert "comm/reduce_scatter_bytes" not in (runs / "int8").rglob("metrics.csv").__next__().read_text()
+    # 1 byte per element + 4 bytes of scale per rank per buffer: 3 buffers x 4 ranks x 4 bytes.
+    for step in fp32:
+        assert int8[step] == fp32[step] / 4 + 3 * 4 * 4
+    losses = step_losses(runs / "int8")
+    assert losses[19] < losses[0] - 1.0
+    assert_same_losses(step_losses(runs / "fp32"), losses, rtol=0.02)
+
+
+def test_bf16_hook_stays_within_2_percent_of_fp32_over_50_steps(tmp_path, corpus):
+    for hook in ("fp32", "bf16"):
+        assert_ok(
+            fit(
+                "hybrid.yaml",
+                tmp_path / hook,
+                *common(corpus, tmp_path / "cache", steps=50),
+                *FSDP4,
+                f"--trainer.strategy.comm_precision={hook}",
+            )
+        )
+    assert_same_losses(step_losses(tmp_path / "fp32"), step_losses(tmp_path / "bf16"), rtol=0.02)
+
+
+def test_accumulation_reduces_gradients_once_per_fsdp_module_per_optimizer_step(tmp_path, corpus):
+    assert_ok(
+        fit(
+            "hybrid.yaml",
+            tmp_path,
+            *common(corpus, tmp_path / "cache", steps=5),
+            *FSDP4,
+            "--trainer.accumulate_grad_batches=4",
+        )
+    )
+    counts = step_losses(tmp_path, "comm/reduce_scatter_count")
+    modules = len(fsdp_units(reference_model())) + 1  # the blocks and the root
+    assert len(counts) == 5 and set(counts.values()) == {float(modules)}
+
+
+HOOK = """
+import torch
+from parallelkit.comm import CommHook
+
+class Quarter(CommHook):
+    '''A third party's hook: reduce in bf16, under its own name.'''
+    name = "thirdparty_bf16"
+    reduce_dtype = torch.bfloat16
+    bytes_ratio = 0.5
+"""
+
+
+def test_third_party_hook_from_an_entry_point_is_selected_by_name_in_yaml(tmp_path, corpus):
+    site = tmp_path / "site"
+    install_fake_distribution(
+        site, "parallelkit-hook", "pk_hook", HOOK, "[parallelkit.comm_hooks]\nthirdparty_bf16 = pk_hook:Quarter\n"
+    )
+    config = tmp_path / "hook.yaml"
+    config.write_text("trainer:\n  strategy:\n    init_args:\n      comm_precision: thirdparty_bf16\n")
+    proc = fit(
+        "hybrid.yaml",
+        tmp_path / "run",
+        *common(corpus, tmp_path / "cache", steps=3),
+        *FSDP4,
+        f"--config={config}",
+        PYTHONPATH=str(site),
+    )
+    assert_ok(proc)
+    params = sum(p.numel() for p in reference_model().parameters())
+    assert set(step_losses(tmp_path / "run", "comm/reduce_scatter_bytes").values()) == {2.0 * params}
+
+
+def test_unknown_hook_lists_the_available_ones(tmp_path):
+    proc = fit("hybrid.yaml", tmp_path, "--trainer.strategy.comm_precision=fp7")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "comm_precision='fp7' names no installed comm hook; available: bf16, fp16, fp32, int8" in proc.stderr
