@@ -143,3 +143,28 @@ def test_unknown_hook_lists_the_available_ones(tmp_path):
     proc = fit("hybrid.yaml", tmp_path, "--trainer.strategy.comm_precision=fp7")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "comm_precision='fp7' names no installed comm hook; available: bf16, fp16, fp32, int8" in proc.stderr
+
+
+def ddp(hook: str) -> list[str]:
+    return [
+        "--trainer.strategy=parallelkit.DDPStrategy",
+        f"--trainer.strategy.comm_precision={hook}",
+        "--trainer.strategy.profile_communication=true",
+    ]
+
+
+def test_ddp_hooks_apply_on_cpu_with_the_bytes_they_claim(tmp_path, corpus, runs):
+    for hook in ("fp32", "bf16"):
+        assert_ok(fit("ddp.yaml", tmp_path / hook, *common(corpus, tmp_path / "cache")[:-1], *ddp(hook)))
+    params = sum(p.numel() for p in reference_model().parameters())
+    fp32, bf16 = (step_losses(tmp_path / h, "comm/all_reduce_bytes") for h in ("fp32", "bf16"))
+    # Each step: every gradient once in DDP's buckets, plus the 4-byte train_loss all-reduce for logging.
+    assert set(fp32.values()) == {4.0 * params + 4}
+    assert set(bf16.values()) == {2.0 * params + 4}
+    assert_same_losses(step_losses(runs / "single"), step_losses(tmp_path / "fp32"))
+    assert_same_losses(step_losses(tmp_path / "fp32"), step_losses(tmp_path / "bf16"), rtol=0.02)
+
+
+def test_ddp_refuses_a_hook_without_a_ddp_form(tmp_path):
+    proc = fit("ddp.yaml", tmp_path, *ddp("int8"))
+    assert proc.returncode == 2 and "comm_precision='int8' has no DDP form" in proc.stderr

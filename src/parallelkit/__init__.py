@@ -8,11 +8,12 @@ from parallelkit import plugins
 from parallelkit.errors import DataError, MeshError, ParallelkitError, PlanError, PluginError, PluginWarning
 from parallelkit.mesh import MeshSpec
 from parallelkit.plugins import StrategyPreset
-from parallelkit.strategies import FSDPTPStrategy, HSDPStrategy, ParallelkitStrategy, PipelineStrategy
+from parallelkit.strategies import DDPStrategy, FSDPTPStrategy, HSDPStrategy, ParallelkitStrategy, PipelineStrategy
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "DDPStrategy",
     "DataError",
     "FSDPTPStrategy",
     "HSDPStrategy",

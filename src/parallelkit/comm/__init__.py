@@ -5,6 +5,7 @@ built-ins register there too) or passed as an object. Strategies apply it to eve
 reduce-scatter over `fsdp` and, for HSDP, the all-reduce over `replicate` run in `reduce_dtype`, and a
 hook may replace the reduce-scatter itself (`configure`). Pipeline send/recv of activations and gradients
 stay in the compute dtype; tensor-parallel collectives are not gradient reductions and are untouched.
+`parallelkit.DDPStrategy` applies a hook's DDP form (`ddp_hook`) to Lightning's DDP on any device.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ class CommHook:
     def configure(self, module: Any) -> None:
         """Adjust one FSDP2 module's gradient communication (default: nothing beyond `reduce_dtype`)."""
 
+    def ddp_hook(self) -> Any:
+        """The hook's form for DDP's `register_comm_hook` (state: the process group), or None if it has none."""
+        return None
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r}, reduce_dtype={self.reduce_dtype})"
 
@@ -42,6 +47,11 @@ class FP32(CommHook):
     name = "fp32"
     reduce_dtype = torch.float32
 
+    def ddp_hook(self) -> Any:
+        from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+        return allreduce_hook
+
 
 class BF16(CommHook):
     """Gradients cast to bf16 for the reduction, then accumulated into fp32 shards: half the bytes, ~3
@@ -51,6 +61,9 @@ class BF16(CommHook):
     reduce_dtype = torch.bfloat16
     bytes_ratio = 0.5
 
+    def ddp_hook(self) -> Any:
+        return cast_allreduce_hook(torch.bfloat16)
+
 
 class FP16(CommHook):
     """Gradients reduced in fp16: half the bytes, more mantissa than bf16 but a narrow range, so FSDP2 divides
@@ -59,6 +72,33 @@ class FP16(CommHook):
     name = "fp16"
     reduce_dtype = torch.float16
     bytes_ratio = 0.5
+
+    def ddp_hook(self) -> Any:
+        return cast_allreduce_hook(torch.float16)
+
+
+def cast_allreduce_hook(dtype: torch.dtype) -> Any:
+    """A DDP comm hook that all-reduces each gradient bucket in `dtype`, dividing by the world size first.
+
+    torch ships the same algorithm as `bf16_compress_hook`, but DDP refuses that one unless it runs on CUDA
+    with NCCL; this one runs on any backend that reduces `dtype` (gloo included).
+    """
+    import torch.distributed as dist
+
+    # No annotations: DDP compares them with dist.GradBucket / Future, and this module's are strings.
+    def hook(state, bucket):
+        group = state if state is not None else dist.group.WORLD
+        buffer = bucket.buffer()
+        compressed = buffer.to(dtype).div_(dist.get_world_size(group))
+        future = dist.all_reduce(compressed, group=group, async_op=True).get_future()
+
+        def decompress(done: Any) -> torch.Tensor:
+            buffer.copy_(done.value()[0])
+            return buffer
+
+        return future.then(decompress)
+
+    return hook
 
 
 def resolve(hook: str | CommHook | None) -> CommHook:
@@ -84,4 +124,4 @@ def resolve(hook: str | CommHook | None) -> CommHook:
     return instance
 
 
-__all__ = ["BF16", "FP16", "FP32", "CommHook", "resolve"]
+__all__ = ["BF16", "FP16", "FP32", "CommHook", "cast_allreduce_hook", "resolve"]

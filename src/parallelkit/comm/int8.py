@@ -17,14 +17,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
 
 from parallelkit.comm import CommHook
 from parallelkit.errors import ConfigError
 
 
-class Int8ReduceScatter(ReduceScatter):
-    """FSDP2 custom reduce-scatter (one per FSDP module, so the residual matches its buffer)."""
+class Int8ReduceScatter:
+    """FSDP2 custom reduce-scatter (one per FSDP module, so the residual matches its buffer).
+
+    It implements FSDP2's `ReduceScatter` interface (`allocate`, `__call__`) without subclassing it: torch
+    exports that class only from a private module.
+    """
 
     def __init__(self) -> None:
         self.residual: torch.Tensor | None = None

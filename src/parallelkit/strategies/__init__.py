@@ -2,6 +2,7 @@
 
 from parallelkit.plugins import StrategyPreset
 from parallelkit.strategies.base import ParallelkitStrategy, ShardedPrecision
+from parallelkit.strategies.ddp import DDPStrategy
 from parallelkit.strategies.fsdp_tp import FSDPTPStrategy, HSDPStrategy
 from parallelkit.strategies.pipeline import PipelineStrategy
 
@@ -22,4 +23,11 @@ interleaved_1f1b = StrategyPreset(
     PipelineStrategy, "Pipeline parallel, interleaved 1F1B (virtual stages per rank)", {"schedule": "interleaved_1f1b"}
 )
 
-__all__ = ["FSDPTPStrategy", "HSDPStrategy", "ParallelkitStrategy", "PipelineStrategy", "ShardedPrecision"]
+__all__ = [
+    "DDPStrategy",
+    "FSDPTPStrategy",
+    "HSDPStrategy",
+    "ParallelkitStrategy",
+    "PipelineStrategy",
+    "ShardedPrecision",
+]

@@ -1,0 +1,63 @@
+"""Lightning's DDP with a parallelkit comm hook, on any device."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any
+
+from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+
+from parallelkit.callbacks.comm import CommunicationMonitor
+from parallelkit.comm import CommHook
+from parallelkit.comm import resolve as resolve_comm_hook
+from parallelkit.errors import ConfigError
+
+
+class DDPStrategy(LightningDDPStrategy):
+    """Lightning's DDP (replicated model, gradients all-reduced in buckets) with a parallelkit comm hook.
+
+    Lightning registers DDP communication hooks on CUDA only; this strategy registers the hook's DDP form on
+    every device, so `comm_precision` means the same on CPU (gloo) as on GPUs.
+
+    Args:
+        comm_precision: "fp32" (default), "bf16", "fp16", a plugin's hook name, or a `CommHook` that has a DDP
+            form (`ddp_hook()`; the int8 hook has none).
+        profile_communication: Log every collective per optimizer step (`parallelkit.callbacks.CommunicationMonitor`).
+        timeout: Seconds (or a timedelta) a collective may wait before the job fails instead of hanging.
+        process_group_backend: "gloo" or "nccl"; default chosen from the accelerator.
+        **kwargs: Passed to Lightning's DDPStrategy (and on to DistributedDataParallel).
+    """
+
+    def __init__(
+        self,
+        comm_precision: str | CommHook | None = None,
+        profile_communication: bool = False,
+        timeout: float | timedelta = 1800.0,
+        process_group_backend: str | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(
+            timeout=timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout),
+            process_group_backend=process_group_backend,
+            **kwargs,
+        )
+        self.comm_precision = comm_precision
+        self.comm_hook: CommHook | None = None
+        self.profile_communication = profile_communication
+
+    def _configure_launcher(self) -> None:
+        self.comm_hook = resolve_comm_hook(self.comm_precision)
+        if self.comm_hook.ddp_hook() is None:
+            raise ConfigError(
+                f"comm_precision={self.comm_precision!r} has no DDP form (it replaces FSDP's reduce-scatter). "
+                "Use fp32, bf16 or fp16 with DDP, or an FSDP layout (strategy='fsdp_tp') for this hook."
+            )
+        super()._configure_launcher()
+
+    def setup(self, trainer: Any) -> None:
+        if self.profile_communication and not any(isinstance(c, CommunicationMonitor) for c in trainer.callbacks):
+            trainer.callbacks.append(CommunicationMonitor())
+        super().setup(trainer)
+
+    def _register_ddp_hooks(self) -> None:
+        self.model.register_comm_hook(state=None, hook=self.comm_hook.ddp_hook())
