@@ -13,6 +13,7 @@ import platform
 import sys
 from collections.abc import Callable, Sequence
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from lightning.pytorch.cli import LightningCLI
 from rich.console import Console
@@ -20,6 +21,7 @@ from rich.table import Table
 
 import parallelkit
 from parallelkit import plugins
+from parallelkit.checkpoint import CheckpointError, consolidate
 from parallelkit.errors import ParallelkitError
 from parallelkit.mesh import MeshSpec
 
@@ -27,6 +29,7 @@ TOOLS_HELP = """\
 tools (no model, no training):
   parallelkit env [--mesh SHAPE --devices N]   versions, backends, devices, launcher env, a mesh's rank layout
   parallelkit plugins                          every discovered strategy and comm hook, and load errors
+  parallelkit consolidate CKPT_DIR OUT.pt      a sharded checkpoint's weights as one plain state dict
 """
 
 
@@ -45,6 +48,21 @@ class ParallelkitCLI(LightningCLI):
             args=args,
             **kwargs,
         )
+
+    def _check_ckpt_path(self) -> None:
+        """A sharded checkpoint needs a parallelkit strategy to load; say so instead of failing in torch.load."""
+        from parallelkit.strategies import ParallelkitStrategy
+
+        ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
+        sharded = isinstance(ckpt_path, str) and (Path(ckpt_path) / ".metadata").is_file()
+        if sharded and not isinstance(self.trainer.strategy, ParallelkitStrategy):
+            raise CheckpointError(
+                f"{ckpt_path} is a sharded checkpoint, which strategy {type(self.trainer.strategy).__name__} cannot "
+                "load. Resume it with a parallelkit strategy (one process too: --trainer.strategy=fsdp_tp "
+                "--trainer.devices=1), or take its weights with: parallelkit consolidate CKPT_DIR OUT.pt"
+            )
+
+    before_fit = before_validate = before_test = before_predict = _check_ckpt_path
 
 
 def _versions() -> dict[str, str]:
@@ -116,7 +134,22 @@ def plugins_command(argv: Sequence[str]) -> int:
     return 0
 
 
-TOOLS: dict[str, Callable[[Sequence[str]], int]] = {"env": env_command, "plugins": plugins_command}
+def consolidate_command(argv: Sequence[str]) -> int:
+    """Write a sharded (DCP) checkpoint's model weights as one state dict that the unparallelised model loads."""
+    parser = argparse.ArgumentParser(prog="parallelkit consolidate", description=consolidate_command.__doc__)
+    parser.add_argument("checkpoint", help="checkpoint directory written by a parallelkit strategy")
+    parser.add_argument("out", help="file to write (torch.save of {parameter name: tensor})")
+    args = parser.parse_args(argv)
+    out = consolidate(args.checkpoint, args.out)
+    print(f"wrote {out}: load it with model.load_state_dict(torch.load({str(out)!r}, weights_only=True))")
+    return 0
+
+
+TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
+    "env": env_command,
+    "plugins": plugins_command,
+    "consolidate": consolidate_command,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -14,6 +14,7 @@ from abc import abstractmethod
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -23,6 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallelkit.callbacks.comm import CommunicationMonitor
+from parallelkit.checkpoint import check_compatible, publish, remove, staging_path
 from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
 from parallelkit.errors import ConfigError
@@ -216,6 +218,28 @@ class ParallelkitStrategy(ModelParallelStrategy):
     def model_to_device(self) -> None:
         if not self.cpu_offload:  # FSDP2's offload policy decides where sharded parameters live
             super().model_to_device()
+
+    # -- checkpoints -----------------------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        """Save atomically: every rank writes under `<name>.partial`, and rank 0 renames it to `<name>` once all
+        have finished, so a checkpoint under its final name is complete and a crash mid-save leaves the
+        previous one (and `ckpt_path="last"`, which ignores `.partial`) intact."""
+        path = Path(self.broadcast(str(filepath)))
+        staging = staging_path(path)
+        if self.is_global_zero:
+            remove(staging)  # left by a crashed save
+        self.barrier()
+        super().save_checkpoint(checkpoint, staging, storage_options)
+        self.barrier()
+        if self.is_global_zero:
+            publish(staging, path)
+        self.barrier()
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(str(checkpoint_path)))
+        if path.is_dir():
+            check_compatible(self.model, path)
+        return super().load_checkpoint(path, weights_only=weights_only)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.loss_context():

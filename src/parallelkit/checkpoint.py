@@ -1,0 +1,114 @@
+"""Checkpoints on disk: atomic publication, compatibility checks, and consolidation to one plain file.
+
+parallelkit strategies save through DCP (Lightning's ModelParallelStrategy I/O): a directory with each rank's
+shards (`*.distcp`), DCP's `.metadata`, and Lightning's loop state in `meta.pt`. Parameter names are the
+model's own FQNs whatever the layout, so a checkpoint written under one layout loads under another.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallelkit.errors import ParallelkitError
+
+MODEL_PREFIX = "state_dict."
+"""DCP key prefix of model tensors in a Lightning checkpoint directory (optimizer states use `optimizer_<i>.`)."""
+
+
+class CheckpointError(ParallelkitError, ValueError):
+    """A checkpoint that does not fit the model, or is not a checkpoint."""
+
+
+def remove(path: Path) -> None:
+    """Delete a file or directory if it exists."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def staging_path(path: Path) -> Path:
+    """Where a checkpoint is written before it is complete; Lightning's `ckpt_path="last"` ignores the name."""
+    return path.with_name(path.name + ".partial")
+
+
+def publish(staging: Path, path: Path) -> None:
+    """Move a complete checkpoint from `staging` to `path`, replacing an older one there.
+
+    The old checkpoint is renamed aside, not deleted, until the new one is in place: a crash at any moment
+    leaves one complete checkpoint under `path` or under `path` + ".old".
+    """
+    previous = path.with_name(path.name + ".old")
+    if path.exists() or path.is_symlink():
+        remove(previous)
+        os.replace(path, previous)
+    os.replace(staging, path)
+    remove(previous)
+
+
+def _metadata(ckpt_dir: Path) -> Any:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    if not (ckpt_dir / ".metadata").is_file():
+        raise CheckpointError(
+            f"{ckpt_dir} is not a sharded (DCP) checkpoint: it has no .metadata file. Pass the checkpoint "
+            "directory a parallelkit strategy wrote (it holds *.distcp files and meta.pt)."
+        )
+    return FileSystemReader(str(ckpt_dir)).read_metadata()
+
+
+def _model_name(model: nn.Module) -> str:
+    """The model's own class name (fully_shard swaps in a generated `FSDP<Name>` subclass)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def check_compatible(model: nn.Module, ckpt_dir: Path) -> None:
+    """Raise a CheckpointError naming every parameter whose shape differs or that the checkpoint lacks."""
+    saved = _metadata(ckpt_dir).state_dict_metadata
+    problems = []
+    for name, tensor in model.state_dict().items():
+        entry = saved.get(MODEL_PREFIX + name)
+        if entry is None:
+            problems.append(f"{name} is missing")
+        elif hasattr(entry, "size") and tuple(entry.size) != tuple(tensor.shape):
+            problems.append(f"{name} is {tuple(entry.size)} in the checkpoint but {tuple(tensor.shape)} in the model")
+    if problems:
+        shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+        raise CheckpointError(
+            f"checkpoint {ckpt_dir} does not fit {_model_name(model)}: {shown}. Load it into the model "
+            "configuration it was saved from."
+        )
+
+
+def consolidate(ckpt_dir: str | Path, out: str | Path) -> Path:
+    """Write the model weights of a sharded checkpoint as one plain state dict (FQN -> tensor) at `out`.
+
+    Runs in one process without a process group. The file is what `torch.load(out, weights_only=True)` reads
+    and the unparallelised model's `load_state_dict` takes; it is written atomically.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    ckpt_dir, out = Path(ckpt_dir), Path(out)
+    saved = _metadata(ckpt_dir).state_dict_metadata
+    state = {
+        key: torch.empty(entry.size, dtype=entry.properties.dtype)
+        for key, entry in saved.items()
+        if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+    }
+    if not state:
+        raise CheckpointError(f"{ckpt_dir} holds no model tensors (no '{MODEL_PREFIX}*' keys).")
+    dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=True)
+    weights = {key[len(MODEL_PREFIX) :]: tensor for key, tensor in state.items()}
+    staging = staging_path(out)
+    torch.save(weights, staging)
+    publish(staging, out)
+    return out

@@ -1,0 +1,205 @@
+"""Checkpoints: load across layouts, consolidate to one file, refuse what does not fit, survive crashes."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import REPO, assert_ok, assert_same_losses, fit, parallelkit, step_losses, subprocess_env
+
+from parallelkit.models import GPT
+
+STEPS = 20
+
+
+def common(corpus, cache) -> list[str]:
+    return [
+        f"--trainer.max_steps={STEPS}",
+        "--trainer.limit_val_batches=0",
+        f"--data.init_args.paths={corpus}",
+        f"--data.init_args.cache_dir={cache}",
+    ]
+
+
+def checkpoint_every(dirpath, steps: int, last: bool = False) -> str:
+    return (
+        '--trainer.callbacks+={"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": '
+        f'{{"dirpath": "{dirpath}", "every_n_train_steps": {steps}, "save_top_k": -1, '
+        f'"save_last": {str(last).lower()}}}}}'
+    )
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory, corpus):
+    """A [[2, 2]] run of 20 steps that checkpoints at step 10: (its losses, the step-10 checkpoint)."""
+    root = tmp_path_factory.mktemp("hybrid")
+    assert_ok(fit("hybrid.yaml", root / "run", *common(corpus, root / "cache"), checkpoint_every(root / "ckpt", 10)))
+    return step_losses(root / "run"), root / "ckpt" / "epoch=0-step=10.ckpt"
+
+
+@pytest.mark.parametrize(
+    ("name", "config", "layout"),
+    [
+        (
+            "fsdp4",
+            "hybrid.yaml",
+            [
+                "--trainer.devices=4",
+                '--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]',
+                "--data.init_args.batch_size=2",
+            ],
+        ),
+        (
+            "tp2",
+            "hybrid.yaml",
+            [
+                "--trainer.devices=2",
+                '--trainer.strategy.mesh_shape=[[1, 2], ["fsdp", "tp"]]',
+                "--data.init_args.batch_size=8",
+            ],
+        ),
+        (
+            "one_process",
+            "hybrid.yaml",
+            ["--trainer.devices=1", '--trainer.strategy.mesh_shape=[[1], ["fsdp"]]', "--data.init_args.batch_size=8"],
+        ),
+        ("1f1b_pp2", "1f1b.yaml", []),
+    ],
+)
+def test_2x2_checkpoint_loads_in_another_layout_with_the_same_next_losses(
+    tmp_path, corpus, saved, name, config, layout
+):
+    losses, ckpt = saved
+    assert_ok(
+        fit(
+            config,
+            tmp_path,
+            *common(corpus, tmp_path / "cache"),
+            "--trainer.max_steps=12",
+            f"--ckpt_path={ckpt}",
+            *layout,
+        )
+    )
+    assert_same_losses({10: losses[10], 11: losses[11]}, step_losses(tmp_path))
+
+
+def test_consolidated_weights_load_into_the_plain_model(tmp_path, saved):
+    _, ckpt = saved
+    out = tmp_path / "weights.pt"
+    assert_ok(parallelkit("consolidate", str(ckpt), str(out), cwd=tmp_path))
+    weights = torch.load(out, weights_only=True)
+    model = GPT(n_layer=2, n_head=4, n_embd=64)
+    fresh = {k: v.clone() for k, v in model.state_dict().items()}
+    model.load_state_dict(weights)  # strict: every name and shape matches the unparallelised model
+    assert any(not torch.equal(fresh[k], weights[k]) for k in weights)  # trained weights, not an init
+
+
+def test_checkpoint_of_another_model_shape_names_the_mismatched_parameters(tmp_path, corpus, saved):
+    _, ckpt = saved
+    proc = fit(
+        "hybrid.yaml",
+        tmp_path,
+        *common(corpus, tmp_path / "cache"),
+        f"--ckpt_path={ckpt}",
+        "--model.init_args.n_embd=32",
+    )
+    assert proc.returncode != 0
+    assert "does not fit GPT: tok_emb.weight is (256, 64) in the checkpoint but (256, 32) in the model" in proc.stderr
+
+
+def test_sharded_checkpoint_with_a_single_device_strategy_says_how_to_load_it(tmp_path, corpus, saved):
+    _, ckpt = saved
+    proc = fit("single.yaml", tmp_path, *common(corpus, tmp_path / "cache"), f"--ckpt_path={ckpt}")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "is a sharded checkpoint" in proc.stderr and "parallelkit consolidate" in proc.stderr
+
+
+def test_a_save_cut_short_is_ignored_and_last_resumes_from_the_complete_one(tmp_path, corpus):
+    ckpt = tmp_path / "ckpt"
+    assert_ok(
+        fit(
+            "hybrid.yaml",
+            tmp_path / "first",
+            *common(corpus, tmp_path / "cache"),
+            "--trainer.max_steps=10",
+            checkpoint_every(ckpt, 5, last=True),
+        )
+    )
+    assert (ckpt / "last.ckpt" / "meta.pt").is_file() and not list(ckpt.glob("*.partial"))
+    # What a process killed mid-save leaves behind: shards under the staging name, newer than last.ckpt.
+    partial = ckpt / "last.ckpt.partial"
+    partial.mkdir()
+    (partial / "__0_0.distcp").write_bytes(b"truncated")
+    assert_ok(
+        fit(
+            "hybrid.yaml",
+            tmp_path / "resumed",
+            *common(corpus, tmp_path / "cache"),
+            "--trainer.max_steps=12",
+            checkpoint_every(ckpt, 5, last=True),
+            "--ckpt_path=last",
+        )
+    )
+    assert sorted(step_losses(tmp_path / "resumed")) == [10, 11]
+
+
+def test_killing_one_rank_ends_every_rank_and_a_relaunch_resumes(tmp_path, corpus):
+    ckpt = tmp_path / "ckpt"
+    args = [
+        sys.executable,
+        "-m",
+        "parallelkit.cli",
+        "fit",
+        "--config",
+        str(REPO / "configs" / "hybrid.yaml"),
+        *common(corpus, tmp_path / "cache"),
+        "--trainer.max_steps=100000",
+        "--trainer.strategy.timeout=30",
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        checkpoint_every(ckpt, 5, last=True),
+    ]
+    main = subprocess.Popen(
+        args,
+        cwd=tmp_path,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 300
+        while not (ckpt / "last.ckpt").exists():
+            assert main.poll() is None and time.time() < deadline, "training never reached its first checkpoint"
+            time.sleep(0.5)
+        ranks = subprocess.run(["pgrep", "-P", str(main.pid)], capture_output=True, text=True).stdout.split()
+        assert len(ranks) == 3  # ranks 1..3, launched by rank 0
+        os.kill(int(ranks[1]), signal.SIGKILL)
+        killed_at = time.time()
+        main.wait(timeout=30 + 30)
+        assert main.returncode != 0
+
+        def survivors() -> list[str]:
+            return subprocess.run(["pgrep", "-s", str(main.pid)], capture_output=True, text=True).stdout.split()
+
+        # Within the collective timeout (30 s) + 30 s, every rank is gone.
+        while survivors() and time.time() - killed_at < 60:
+            time.sleep(0.5)
+        assert survivors() == [], f"ranks still running 60 s after the kill: {survivors()}"
+        print(f"all ranks gone {time.time() - killed_at:.1f} s after the kill")
+    finally:
+        if main.poll() is None:
+            os.killpg(main.pid, signal.SIGKILL)
+    relaunch = fit(
+        "hybrid.yaml",
+        tmp_path / "relaunch",
+        *common(corpus, tmp_path / "cache"),
+        "--ckpt_path=last",
+        checkpoint_every(ckpt, 5, last=True),
+        "--trainer.max_steps=1",
+    )
+    # max_steps=1 is already reached by the checkpoint: the relaunch loads it and stops at once.
+    assert_ok(relaunch)
