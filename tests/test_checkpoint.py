@@ -203,3 +203,80 @@ def test_killing_one_rank_ends_every_rank_and_a_relaunch_resumes(tmp_path, corpu
     )
     # max_steps=1 is already reached by the checkpoint: the relaunch loads it and stops at once.
     assert_ok(relaunch)
+
+
+def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus):
+    ckpt = tmp_path / "ckpt"
+    straight = tmp_path / "straight"
+    assert_ok(fit("hybrid.yaml", straight, *common(corpus, tmp_path / "cache"), "--trainer.max_steps=40"))
+    args = [
+        sys.executable,
+        "-m",
+        "parallelkit.cli",
+        "fit",
+        "--config",
+        str(REPO / "configs" / "hybrid.yaml"),
+        *common(corpus, tmp_path / "cache"),
+        "--trainer.max_steps=40",
+        f"--trainer.logger.init_args.save_dir={tmp_path / 'first'}",
+        "--trainer.enable_progress_bar=false",
+        checkpoint_every(ckpt, 4),
+    ]
+    job = subprocess.Popen(
+        args,
+        cwd=tmp_path,
+        env=subprocess_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        deadline = time.time() + 300
+        while not (ckpt / "epoch=0-step=4.ckpt").exists():
+            assert job.poll() is None and time.time() < deadline, "training never reached its first checkpoint"
+            time.sleep(0.2)
+        os.killpg(job.pid, signal.SIGTERM)  # what SLURM or torchrun does to every process of the job
+        _, stderr = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+    assert job.returncode == 0, stderr[-3000:]
+    assert (ckpt / "last.ckpt" / "meta.pt").is_file()
+    stopped_at = max(step_losses(tmp_path / "first"))
+    assert stopped_at < 39
+    assert_ok(
+        fit(
+            "hybrid.yaml",
+            tmp_path / "resumed",
+            *common(corpus, tmp_path / "cache"),
+            "--ckpt_path=last",
+            f"--trainer.max_steps={stopped_at + 3}",
+            checkpoint_every(ckpt, 4),
+        )
+    )
+    resumed = step_losses(tmp_path / "resumed")
+    assert min(resumed) == stopped_at + 1  # the step after the last one trained: nothing lost, nothing repeated
+    expected = step_losses(straight)
+    assert_same_losses({s: expected[s] for s in resumed}, resumed, rtol=1e-6)
+
+
+@pytest.mark.parametrize("config", ["1f1b.yaml", "single.yaml"])
+def test_resume_mid_epoch_continues_exactly(tmp_path, corpus, config):
+    """fsdp_tp [[2, 2]] is covered in test_fsdp_tp.py; here pp=2 and one process (Lightning's own strategy)."""
+    ckpt = tmp_path / "ckpt"
+    assert_ok(fit(config, tmp_path / "straight", *common(corpus, tmp_path / "cache")))
+    assert_ok(
+        fit(
+            config,
+            tmp_path / "first",
+            *common(corpus, tmp_path / "cache"),
+            "--trainer.max_steps=10",
+            checkpoint_every(ckpt, 10),
+        )
+    )
+    (saved,) = ckpt.iterdir()
+    assert_ok(fit(config, tmp_path / "resumed", *common(corpus, tmp_path / "cache"), f"--ckpt_path={saved}"))
+    resumed, straight = step_losses(tmp_path / "resumed"), step_losses(tmp_path / "straight")
+    assert sorted(resumed) == list(range(10, STEPS))
+    assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)

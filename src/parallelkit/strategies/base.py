@@ -24,6 +24,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallelkit.callbacks.comm import CommunicationMonitor
+from parallelkit.callbacks.preemption import PreemptionCheckpoint
 from parallelkit.checkpoint import check_compatible, publish, remove, staging_path
 from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
@@ -204,6 +205,8 @@ class ParallelkitStrategy(ModelParallelStrategy):
         self.accelerator.setup(trainer)
         if self.profile_communication and not any(isinstance(c, CommunicationMonitor) for c in trainer.callbacks):
             trainer.callbacks.append(CommunicationMonitor())
+        if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+            trainer.callbacks.append(PreemptionCheckpoint())  # SIGTERM saves last.ckpt, then exits cleanly
         self.parallelize_model(trainer)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
