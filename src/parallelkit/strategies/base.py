@@ -35,6 +35,18 @@ from parallelkit.mesh import MeshSpec, data_parallel_mesh
 MeshShape = str | Sequence[Any]
 """`[[sizes...], [axis names...]]`, as a list or a JSON string, or "auto"."""
 
+
+def _flat_options() -> Any:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+FLAT = _flat_options()
+"""Optimizer state keyed per parameter name (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`): each rank saves
+only its own parameters' entries, so a checkpoint loads under any layout. Unflattened, `param_groups` is one
+list that DCP keeps from rank 0 only, and a pipeline stage 1 loading it finds none of its parameters."""
+
 PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
 """Trainer precisions a parallelkit strategy runs, with the dtype FSDP2 computes in (None: fp32)."""
 
@@ -238,11 +250,37 @@ class ParallelkitStrategy(ModelParallelStrategy):
             publish(staging, path)
         self.barrier()
 
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        if not self._save_distributed_checkpoint:
+            return super().optimizer_state(optimizer)
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer), options=FLAT)
+
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        if path.is_dir():
-            check_compatible(self.model, path)
-        return super().load_checkpoint(path, weights_only=weights_only)
+        if not path.is_dir():
+            return super().load_checkpoint(path, weights_only=weights_only)
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_optimizer_state_dict,
+            set_model_state_dict,
+            set_optimizer_state_dict,
+        )
+
+        check_compatible(self.model, path)
+        state = {"state_dict": get_model_state_dict(self.model)}
+        dcp.load(state, checkpoint_id=str(path))
+        strict = self.lightning_module.strict_loading
+        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
+        for index, optimizer in enumerate(self.optimizers):
+            key = f"optimizer_{index}"
+            state = {key: get_optimizer_state_dict(self.model, optimizer, options=FLAT)}
+            dcp.load(state, checkpoint_id=str(path))
+            set_optimizer_state_dict(self.model, optimizer, state[key], options=FLAT)
+        return torch.load(path / "meta.pt", weights_only=weights_only if weights_only is not None else True)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.loss_context():
