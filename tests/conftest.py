@@ -86,6 +86,25 @@ def fit(config: str, save_dir: Path, *overrides: str, timeout: float = 600, **en
     )
 
 
+def common(corpus: Path, cache: Path, steps: int = 20) -> list[str]:
+    """CLI overrides every parity run shares: a step budget, no validation, the test corpus and its cache."""
+    return [
+        f"--trainer.max_steps={steps}",
+        "--trainer.limit_val_batches=0",
+        f"--data.init_args.paths={corpus}",
+        f"--data.init_args.cache_dir={cache}",
+    ]
+
+
+def checkpoint_every(dirpath: Path, steps: int, last: bool = False) -> str:
+    """A ModelCheckpoint callback, as a CLI override, saving every `steps` steps (all of them kept)."""
+    return (
+        '--trainer.callbacks+={"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": '
+        f'{{"dirpath": "{dirpath}", "every_n_train_steps": {steps}, "save_top_k": -1, '
+        f'"save_last": {str(last).lower()}}}}}'
+    )
+
+
 def assert_same_losses(expected: dict[int, float], actual: dict[int, float], rtol: float = 1e-5) -> None:
     assert sorted(expected) == sorted(actual), (sorted(expected), sorted(actual))
     for step, value in expected.items():

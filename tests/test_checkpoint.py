@@ -1,35 +1,30 @@
 """Checkpoints: load across layouts, consolidate to one file, refuse what does not fit, survive crashes."""
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_ok, assert_same_losses, fit, parallelkit, step_losses, subprocess_env
+from conftest import (
+    REPO,
+    assert_ok,
+    assert_same_losses,
+    checkpoint_every,
+    common,
+    fit,
+    parallelkit,
+    step_losses,
+    subprocess_env,
+)
 
 from parallelkit.models import GPT
 
 STEPS = 20
-
-
-def common(corpus, cache) -> list[str]:
-    return [
-        f"--trainer.max_steps={STEPS}",
-        "--trainer.limit_val_batches=0",
-        f"--data.init_args.paths={corpus}",
-        f"--data.init_args.cache_dir={cache}",
-    ]
-
-
-def checkpoint_every(dirpath, steps: int, last: bool = False) -> str:
-    return (
-        '--trainer.callbacks+={"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": '
-        f'{{"dirpath": "{dirpath}", "every_n_train_steps": {steps}, "save_top_k": -1, '
-        f'"save_last": {str(last).lower()}}}}}'
-    )
 
 
 @pytest.fixture(scope="module")
@@ -146,8 +141,9 @@ def test_a_save_cut_short_is_ignored_and_last_resumes_from_the_complete_one(tmp_
     assert sorted(step_losses(tmp_path / "resumed")) == [10, 11]
 
 
-def test_killing_one_rank_ends_every_rank_and_a_relaunch_resumes(tmp_path, corpus):
-    ckpt = tmp_path / "ckpt"
+@contextlib.contextmanager
+def training_in_background(tmp_path, corpus, save_dir, *overrides: str, until: Path):
+    """A 4-process hybrid run in its own session, yielded once `until` exists; killed whole if left running."""
     args = [
         sys.executable,
         "-m",
@@ -156,25 +152,34 @@ def test_killing_one_rank_ends_every_rank_and_a_relaunch_resumes(tmp_path, corpu
         "--config",
         str(REPO / "configs" / "hybrid.yaml"),
         *common(corpus, tmp_path / "cache"),
-        "--trainer.max_steps=100000",
-        "--trainer.strategy.timeout=30",
-        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        f"--trainer.logger.init_args.save_dir={save_dir}",
         "--trainer.enable_progress_bar=false",
-        checkpoint_every(ckpt, 5, last=True),
+        *overrides,
     ]
-    main = subprocess.Popen(
+    job = subprocess.Popen(
         args,
         cwd=tmp_path,
         env=subprocess_env(),
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
     )
     try:
         deadline = time.time() + 300
-        while not (ckpt / "last.ckpt").exists():
-            assert main.poll() is None and time.time() < deadline, "training never reached its first checkpoint"
-            time.sleep(0.5)
+        while not until.exists():
+            assert job.poll() is None and time.time() < deadline, f"training never produced {until}"
+            time.sleep(0.2)
+        yield job
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+
+
+def test_killing_one_rank_ends_every_rank_and_a_relaunch_resumes(tmp_path, corpus):
+    ckpt = tmp_path / "ckpt"
+    overrides = ["--trainer.max_steps=100000", "--trainer.strategy.timeout=30", checkpoint_every(ckpt, 5, last=True)]
+    with training_in_background(tmp_path, corpus, tmp_path, *overrides, until=ckpt / "last.ckpt") as main:
         ranks = subprocess.run(["pgrep", "-P", str(main.pid)], capture_output=True, text=True).stdout.split()
         assert len(ranks) == 3  # ranks 1..3, launched by rank 0
         os.kill(int(ranks[1]), signal.SIGKILL)
@@ -189,10 +194,6 @@ def test_killing_one_rank_ends_every_rank_and_a_relaunch_resumes(tmp_path, corpu
         while survivors() and time.time() - killed_at < 60:
             time.sleep(0.5)
         assert survivors() == [], f"ranks still running 60 s after the kill: {survivors()}"
-        print(f"all ranks gone {time.time() - killed_at:.1f} s after the kill")
-    finally:
-        if main.poll() is None:
-            os.killpg(main.pid, signal.SIGKILL)
     relaunch = fit(
         "hybrid.yaml",
         tmp_path / "relaunch",
@@ -209,38 +210,12 @@ def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp
     ckpt = tmp_path / "ckpt"
     straight = tmp_path / "straight"
     assert_ok(fit("hybrid.yaml", straight, *common(corpus, tmp_path / "cache"), "--trainer.max_steps=40"))
-    args = [
-        sys.executable,
-        "-m",
-        "parallelkit.cli",
-        "fit",
-        "--config",
-        str(REPO / "configs" / "hybrid.yaml"),
-        *common(corpus, tmp_path / "cache"),
-        "--trainer.max_steps=40",
-        f"--trainer.logger.init_args.save_dir={tmp_path / 'first'}",
-        "--trainer.enable_progress_bar=false",
-        checkpoint_every(ckpt, 4),
-    ]
-    job = subprocess.Popen(
-        args,
-        cwd=tmp_path,
-        env=subprocess_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        deadline = time.time() + 300
-        while not (ckpt / "epoch=0-step=4.ckpt").exists():
-            assert job.poll() is None and time.time() < deadline, "training never reached its first checkpoint"
-            time.sleep(0.2)
+    overrides = ["--trainer.max_steps=40", checkpoint_every(ckpt, 4)]
+    with training_in_background(
+        tmp_path, corpus, tmp_path / "first", *overrides, until=ckpt / "epoch=0-step=4.ckpt"
+    ) as job:
         os.killpg(job.pid, signal.SIGTERM)  # what SLURM or torchrun does to every process of the job
         _, stderr = job.communicate(timeout=120)
-    finally:
-        if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
     assert job.returncode == 0, stderr[-3000:]
     assert (ckpt / "last.ckpt" / "meta.pt").is_file()
     stopped_at = max(step_losses(tmp_path / "first"))
@@ -251,7 +226,7 @@ def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp
             tmp_path / "resumed",
             *common(corpus, tmp_path / "cache"),
             "--ckpt_path=last",
-            f"--trainer.max_steps={stopped_at + 3}",
+            "--trainer.max_steps=40",  # the same run, so the same LR schedule
             checkpoint_every(ckpt, 4),
         )
     )
@@ -261,22 +236,28 @@ def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp
     assert_same_losses({s: expected[s] for s in resumed}, resumed, rtol=1e-6)
 
 
+def test_2x2_resume_mid_epoch_continues_exactly(tmp_path, corpus, saved):
+    losses, ckpt = saved
+    assert_ok(fit("hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache"), f"--ckpt_path={ckpt}"))
+    resumed = step_losses(tmp_path)
+    assert sorted(resumed) == list(range(10, STEPS))
+    assert_same_losses({s: losses[s] for s in resumed}, resumed, rtol=1e-6)
+
+
 @pytest.mark.parametrize("config", ["1f1b.yaml", "single.yaml"])
 def test_resume_mid_epoch_continues_exactly(tmp_path, corpus, config):
-    """fsdp_tp [[2, 2]] is covered in test_fsdp_tp.py; here pp=2 and one process (Lightning's own strategy)."""
+    """A run checkpointed at step 10 of 20, then the same run resumed from that checkpoint: one process is
+    Lightning's own strategy with parallelkit's data position."""
     ckpt = tmp_path / "ckpt"
-    assert_ok(fit(config, tmp_path / "straight", *common(corpus, tmp_path / "cache")))
+    assert_ok(fit(config, tmp_path / "straight", *common(corpus, tmp_path / "cache"), checkpoint_every(ckpt, 10)))
     assert_ok(
         fit(
             config,
-            tmp_path / "first",
+            tmp_path / "resumed",
             *common(corpus, tmp_path / "cache"),
-            "--trainer.max_steps=10",
-            checkpoint_every(ckpt, 10),
+            f"--ckpt_path={ckpt / 'epoch=0-step=10.ckpt'}",
         )
     )
-    (saved,) = ckpt.iterdir()
-    assert_ok(fit(config, tmp_path / "resumed", *common(corpus, tmp_path / "cache"), f"--ckpt_path={saved}"))
     resumed, straight = step_losses(tmp_path / "resumed"), step_losses(tmp_path / "straight")
     assert sorted(resumed) == list(range(10, STEPS))
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)

@@ -2,6 +2,7 @@
 
 import pytest
 from conftest import assert_ok, assert_same_losses, fit, step_losses
+from conftest import common as run_args
 from test_plugins import install_fake_distribution
 
 from parallelkit.models import GPT
@@ -15,13 +16,7 @@ FSDP4 = [
 
 
 def common(corpus, cache, steps: int = 20) -> list[str]:
-    return [
-        f"--trainer.max_steps={steps}",
-        "--trainer.limit_val_batches=0",
-        f"--data.init_args.paths={corpus}",
-        f"--data.init_args.cache_dir={cache}",
-        "--trainer.strategy.profile_communication=true",
-    ]
+    return [*run_args(corpus, cache, steps), "--trainer.strategy.profile_communication=true"]
 
 
 def reference_model() -> GPT:

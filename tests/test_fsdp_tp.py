@@ -5,18 +5,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_ok, assert_same_losses, fit, free_port, run, step_losses
+from conftest import REPO, assert_ok, assert_same_losses, common, fit, free_port, run, step_losses
 
 STEPS = 20
-
-
-def common(corpus: Path, cache: Path) -> list[str]:
-    return [
-        f"--trainer.max_steps={STEPS}",
-        "--trainer.limit_val_batches=0",
-        f"--data.init_args.paths={corpus}",
-        f"--data.init_args.cache_dir={cache}",
-    ]
 
 
 def layout(mesh: str, devices: int, batch_size: int) -> list[str]:
@@ -165,22 +156,3 @@ def test_python_api_by_registered_name(tmp_path):
     assert_ok(proc)
     assert 'FSDPTPStrategy [[4, 1], ["fsdp", "tp"]]' in proc.stdout
     assert 'HSDPStrategy [[2, 2, 1], ["replicate", "fsdp", "tp"]]' in proc.stdout
-
-
-def test_resume_from_dcp_checkpoint_mid_epoch_continues_exactly_on_2x2(tmp_path, corpus):
-    checkpoint = (
-        '--trainer.callbacks+={"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", '
-        f'"init_args": {{"dirpath": "{tmp_path / "ckpt"}", "every_n_train_steps": 10, "save_top_k": -1}}}}'
-    )
-    assert_ok(fit("hybrid.yaml", tmp_path / "straight", *common(corpus, tmp_path / "cache")))
-    assert_ok(
-        fit(
-            "hybrid.yaml", tmp_path / "first", *common(corpus, tmp_path / "cache"), "--trainer.max_steps=10", checkpoint
-        )
-    )
-    (saved,) = (tmp_path / "ckpt").iterdir()
-    assert saved.is_dir() and len(list(saved.glob("*.distcp"))) == 4  # each rank wrote its own shards
-    assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *common(corpus, tmp_path / "cache"), f"--ckpt_path={saved}"))
-    straight, resumed = step_losses(tmp_path / "straight"), step_losses(tmp_path / "resumed")
-    assert sorted(resumed) == list(range(10, STEPS))
-    assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_ok, assert_same_losses, fit, run, step_losses
+from conftest import SCRIPTS, assert_ok, assert_same_losses, checkpoint_every, common, fit, run, step_losses
 from torch import nn
 
 from parallelkit.errors import PlanError
@@ -12,15 +12,6 @@ from parallelkit.models import GPT
 from parallelkit.plan import StageModule, pipeline_layer_names, split_stages
 
 STEPS = 20
-
-
-def common(corpus, cache) -> list[str]:
-    return [
-        f"--trainer.max_steps={STEPS}",
-        "--trainer.limit_val_batches=0",
-        f"--data.init_args.paths={corpus}",
-        f"--data.init_args.cache_dir={cache}",
-    ]
 
 
 @pytest.fixture(scope="module")
@@ -176,10 +167,7 @@ def test_parameters_outside_pipeline_layers_are_refused():
 
 def test_1f1b_checkpoint_resumes_under_fsdp_with_the_same_next_losses(tmp_path, corpus, baselines):
     """Stages keep parameter names, so a pp=2 checkpoint loads into a [[2, 1]] fsdp_tp layout."""
-    checkpoint = (
-        '--trainer.callbacks+={"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", '
-        f'"init_args": {{"dirpath": "{tmp_path / "ckpt"}", "every_n_train_steps": 10, "save_top_k": -1}}}}'
-    )
+    checkpoint = checkpoint_every(tmp_path / "ckpt", 10)
     assert_ok(
         fit("1f1b.yaml", tmp_path / "pp", *common(corpus, tmp_path / "cache"), "--trainer.max_steps=10", checkpoint)
     )

@@ -1,11 +1,11 @@
 """What every parallelkit strategy shares: the named mesh, data-parallel bookkeeping, precision and clipping.
 
 `ParallelkitStrategy` subclasses Lightning's `ModelParallelStrategy` on purpose: that is Lightning's FSDP2/DTensor
-strategy, and it already owns process-group setup, the launcher, collectives and DCP checkpoint I/O. What it
-leaves to the user, parallelkit does: a mesh of any named axes instead of (data, tensor) only, the model's plan
+strategy, and it already owns process-group setup, the launcher and collectives. What it leaves to the user,
+parallelkit does: a mesh of any named axes instead of (data, tensor) only, the model's plan
 applied with no `configure_model`, the data-parallel group everywhere Lightning asks for one, gradient
 clipping across DTensor shards, no gradient communication on accumulation micro-steps, and FSDP2's own mixed
-precision in place of autocast.
+precision in place of autocast. Its DCP checkpoints are kept, made atomic and layout-independent.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from torch.distributed.checkpoint.state_dict import StateDictOptions
 from torch.distributed.device_mesh import DeviceMesh
 
 from parallelkit.callbacks.comm import CommunicationMonitor
@@ -36,13 +37,7 @@ MeshShape = str | Sequence[Any]
 """`[[sizes...], [axis names...]]`, as a list or a JSON string, or "auto"."""
 
 
-def _flat_options() -> Any:
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-
-    return StateDictOptions(flatten_optimizer_state_dict=True)
-
-
-FLAT = _flat_options()
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 """Optimizer state keyed per parameter name (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`): each rank saves
 only its own parameters' entries, so a checkpoint loads under any layout. Unflattened, `param_groups` is one
 list that DCP keeps from rank 0 only, and a pipeline stage 1 loading it finds none of its parameters."""
@@ -263,7 +258,6 @@ class ParallelkitStrategy(ModelParallelStrategy):
             return super().load_checkpoint(path, weights_only=weights_only)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
             get_model_state_dict,
             get_optimizer_state_dict,
             set_model_state_dict,
