@@ -256,8 +256,8 @@ class PipelineStrategy(ParallelkitStrategy):
 
     def _log_schedule_stats(self, busy: float, wall: float) -> None:
         group = self.device_mesh["pp"].get_group()
-        times = [torch.zeros(2) for _ in range(self.pp_size)]
-        dist.all_gather(times, torch.tensor([busy, wall]), group=group)
+        times = [torch.zeros(2, device=self.root_device) for _ in range(self.pp_size)]
+        dist.all_gather(times, torch.tensor([busy, wall], device=self.root_device), group=group)
         module = self.lightning_module
         for rank, (rank_busy, rank_wall) in enumerate(times):
             module.log(f"pp_busy_s/rank{rank}", rank_busy.item(), on_step=True, rank_zero_only=True)
