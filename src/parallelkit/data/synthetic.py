@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from parallelkit.data.text import TokenStreamDataModule, TokenWindows
+from parallelkit.data.stream import TokenStreamDataModule, TokenWindows
 from parallelkit.errors import DataError
 
 

@@ -1,8 +1,5 @@
-"""Byte-level language modelling: a token stream cut into windows, and the text corpus that feeds it.
-
-``TokenStreamDataModule`` holds what every parallelkit datamodule shares (the data-parallel layout,
-the GlobalBatchSampler, the resume position); ``TextDataModule`` adds the corpus on disk.
-"""
+"""Byte-level language modelling over a text corpus on disk (by default the Python standard library's own
+source, present on every machine). The shared windowing, sampling and resume logic is in `stream.py`."""
 
 from __future__ import annotations
 
@@ -11,150 +8,12 @@ import hashlib
 import os
 import sysconfig
 import tempfile
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
-import lightning as L
 import numpy as np
-import torch
-from torch.utils.data import DataLoader, Dataset
 
-from parallelkit.data.sampler import GlobalBatchSampler
+from parallelkit.data.stream import TokenStreamDataModule, TokenWindows
 from parallelkit.errors import DataError
-
-
-class TokenWindows(Dataset):
-    """Non-overlapping windows of a 1-D token array; sample ``i`` is ``(x, y)``, ``y`` = ``x`` shifted by one.
-
-    Window ``i`` reads ``tokens[i*seq_len : i*seq_len + seq_len + 1]``; its last token is only a target,
-    and is the first input of window ``i + 1``.
-    """
-
-    def __init__(self, tokens: np.ndarray, seq_len: int) -> None:
-        self.tokens = tokens
-        self.seq_len = seq_len
-
-    def __len__(self) -> int:
-        return max(len(self.tokens) - 1, 0) // self.seq_len
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        start = index * self.seq_len
-        window = torch.from_numpy(np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64))
-        return window[:-1], window[1:]
-
-    def __getstate__(self) -> dict[str, Any]:
-        # Pickling an np.memmap copies the whole array into each spawned DataLoader worker; reopen it instead.
-        state = dict(self.__dict__)
-        if isinstance(self.tokens, np.memmap):
-            state["tokens"] = (self.tokens.filename, self.tokens.offset, len(self.tokens))
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        if isinstance(state["tokens"], tuple):
-            filename, offset, length = state["tokens"]
-            state["tokens"] = np.memmap(filename, dtype=np.uint8, mode="r", offset=offset, shape=(length,))
-        self.__dict__.update(state)
-
-
-class TokenStreamDataModule(L.LightningDataModule):
-    """Base of parallelkit's datamodules: train/val ``TokenWindows`` fed through ``GlobalBatchSampler``.
-
-    Subclasses fill ``self.train_set`` and ``self.val_set`` in ``setup`` and describe their source for
-    error messages; this class turns them into dataloaders that keep the global sample order of every
-    layout identical, and saves/restores the position in the training epoch through Lightning's
-    datamodule checkpoint hooks.
-
-    Args:
-        seq_len: tokens per sample (the model's context length).
-        batch_size: samples per process per step; the global batch is
-            ``batch_size x data-parallel size x accumulate_grad_batches``.
-        seed: seed of the training order (epoch ``e`` shuffles with ``seed + e``).
-        num_workers: DataLoader worker processes per rank.
-    """
-
-    vocab_size: int = 256
-
-    def __init__(self, seq_len: int, batch_size: int, seed: int, num_workers: int) -> None:
-        super().__init__()
-        if seq_len < 1:
-            raise DataError(f"seq_len is {seq_len}; it must be at least 1. Fix: set data.seq_len >= 1.")
-        if batch_size < 1:
-            raise DataError(f"batch_size is {batch_size}; it must be at least 1. Fix: set data.batch_size >= 1.")
-        self.seq_len = seq_len
-        self.batch_size = batch_size
-        self.seed = seed
-        self.num_workers = num_workers
-        self.train_set: TokenWindows | None = None
-        self.val_set: TokenWindows | None = None
-        self._train_sampler: GlobalBatchSampler | None = None
-        self._resume_state: dict[str, int] | None = None
-
-    def describe(self, split: str) -> str:
-        """Where ``split``'s tokens come from, as the subject of an error message."""
-        return f"The {split} split"
-
-    def more_data_hint(self, split: str) -> str:
-        """How to give ``split`` more samples, for the fix in an error message."""
-        return "use more data"
-
-    def data_parallel_layout(self) -> tuple[int, int]:
-        """``(num_replicas, rank)`` of the data-parallel group this process reads for.
-
-        Lightning's parallel strategies report it as ``distributed_sampler_kwargs``; a single-device
-        strategy has none, and without a trainer there is one process.
-        """
-        strategy = getattr(self.trainer, "strategy", None)
-        kwargs = getattr(strategy, "distributed_sampler_kwargs", None)
-        if not kwargs:
-            return 1, 0
-        return int(kwargs["num_replicas"]), int(kwargs["rank"])
-
-    def train_dataloader(self) -> DataLoader:
-        self._train_sampler = self._sampler(self.train_set, "train", shuffle=True)
-        if self._resume_state:
-            self._train_sampler.load_state_dict(self._resume_state)
-            # Applied once: a dataloader reloaded in a later epoch must start that epoch from its beginning.
-            self._resume_state = None
-        return self._loader(self.train_set, self._train_sampler)
-
-    def val_dataloader(self) -> DataLoader:
-        return self._loader(self.val_set, self._sampler(self.val_set, "val", shuffle=False))
-
-    def test_dataloader(self) -> DataLoader:
-        return self.val_dataloader()
-
-    def state_dict(self) -> dict[str, int]:
-        """The training position: epoch and global samples consumed in it (empty when not training).
-
-        ``batch_progress.current.processed`` counts this epoch's micro-batches up to and including the
-        one whose ``on_train_batch_end`` saves the checkpoint, so resuming starts at the next one.
-        """
-        if self.trainer is None or self._train_sampler is None:
-            return {}
-        processed = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
-        return {**self._train_sampler.state_dict(processed), "epoch": self.trainer.current_epoch}
-
-    def load_state_dict(self, state_dict: Mapping[str, int]) -> None:
-        """Remember the saved position; the train dataloader built next starts there."""
-        self._resume_state = dict(state_dict) or None
-
-    def _sampler(self, dataset: TokenWindows | None, split: str, shuffle: bool) -> GlobalBatchSampler:
-        if dataset is None:
-            raise RuntimeError(f"{type(self).__name__}.setup() must run before its {split} dataloader is built")
-        num_replicas, rank = self.data_parallel_layout()
-        global_batch_size = self.batch_size * num_replicas
-        if len(dataset) < global_batch_size:
-            raise DataError(
-                f"{self.describe(split)} holds {len(dataset)} samples of seq_len {self.seq_len}, fewer than "
-                f"one global batch of {global_batch_size} (batch_size {self.batch_size} x data-parallel size "
-                f"{num_replicas}). Fix: {self.more_data_hint(split)}, or lower data.batch_size or "
-                f"data.seq_len."
-            )
-        return GlobalBatchSampler(len(dataset), self.batch_size, num_replicas, rank, shuffle=shuffle, seed=self.seed)
-
-    def _loader(self, dataset: TokenWindows | None, sampler: GlobalBatchSampler) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
 
 
 def default_corpus_files() -> list[Path]:
