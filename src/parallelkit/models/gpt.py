@@ -159,7 +159,8 @@ class GPT(L.LightningModule):
 
     def setup(self, stage: str) -> None:
         # Metrics average over the data-parallel group only: tp/pp ranks of one replica hold the same batch.
-        self.val_loss.process_group = data_parallel_group(self.trainer.strategy)
+        self.dp_group = data_parallel_group(self.trainer.strategy)
+        self.val_loss.process_group = self.dp_group
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
@@ -170,7 +171,7 @@ class GPT(L.LightningModule):
             on_step=True,
             prog_bar=True,
             sync_dist=True,
-            sync_dist_group=data_parallel_group(self.trainer.strategy),
+            sync_dist_group=self.dp_group,
         )
         return loss
 

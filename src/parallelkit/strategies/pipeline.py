@@ -204,7 +204,9 @@ class PipelineStrategy(ParallelkitStrategy):
             self._clock = _StageClock(pipeline_stages, self.root_device)
         self._has_first = any(stage.is_first for stage in pipeline_stages)
         self._has_last = any(stage.is_last for stage in pipeline_stages)
-        self._last_stage_rank = dist.get_global_rank(pp_mesh.get_group(), self.pp_size - 1)
+        self._pp_group = pp_mesh.get_group()
+        self._dp_group = data_parallel_group(self)
+        self._last_stage_rank = dist.get_global_rank(self._pp_group, self.pp_size - 1)
         # Gradient clipping adds up the stages' norms.
         self.precision_plugin.stage_group = pp_mesh.get_group()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -245,7 +247,7 @@ class PipelineStrategy(ParallelkitStrategy):
             loss = torch.stack([loss.detach().float() for loss in losses]).sum() * accumulate
         else:
             loss = torch.zeros((), device=self.root_device)
-        dist.broadcast(loss, src=self._last_stage_rank, group=self.device_mesh["pp"].get_group())
+        dist.broadcast(loss, src=self._last_stage_rank, group=self._pp_group)
         return loss
 
     @property
@@ -255,7 +257,7 @@ class PipelineStrategy(ParallelkitStrategy):
         return (p - 1) / (v * m + p - 1)
 
     def _log_schedule_stats(self, busy: float, wall: float) -> None:
-        group = self.device_mesh["pp"].get_group()
+        group = self._pp_group
         times = [torch.zeros(2, device=self.root_device) for _ in range(self.pp_size)]
         dist.all_gather(times, torch.tensor([busy, wall], device=self.root_device), group=group)
         module = self.lightning_module
@@ -274,15 +276,13 @@ class PipelineStrategy(ParallelkitStrategy):
             for optimizer in trainer.optimizers:
                 module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
         loss = self._run(batch, train=True)
-        module.log(
-            "train_loss", loss, on_step=True, prog_bar=True, sync_dist=True, sync_dist_group=data_parallel_group(self)
-        )
+        module.log("train_loss", loss, on_step=True, prog_bar=True, sync_dist=True, sync_dist_group=self._dp_group)
         return loss
 
     def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
         loss = self._run(batch, train=False)
         self.lightning_module.log(
-            "val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True, sync_dist_group=data_parallel_group(self)
+            "val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True, sync_dist_group=self._dp_group
         )
 
     def predict_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
@@ -297,13 +297,11 @@ class PipelineStrategy(ParallelkitStrategy):
         finally:
             self._predicting = False
         shared = [output if self._has_last else None]
-        dist.broadcast_object_list(shared, src=self._last_stage_rank, group=self.device_mesh["pp"].get_group())
+        dist.broadcast_object_list(shared, src=self._last_stage_rank, group=self._pp_group)
         return shared[0]
 
         loss = self._run(batch, train=False)
-        self.lightning_module.log(
-            "test_loss", loss, on_epoch=True, sync_dist=True, sync_dist_group=data_parallel_group(self)
-        )
+        self.lightning_module.log("test_loss", loss, on_epoch=True, sync_dist=True, sync_dist_group=self._dp_group)
 
 
 class _StageClock:
