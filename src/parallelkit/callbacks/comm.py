@@ -130,8 +130,3 @@ class CommunicationMonitor(L.Callback):
             n = self._steps
             table.add_row(kind, f"{count / n:.1f}", f"{nbytes / n / 2**20:.3f}", f"{1000 * seconds / n:.2f}")
         Console().print(table)
-
-    @property
-    def totals(self) -> dict[str, tuple[float, float, float]]:
-        """Totals over all logged optimizer steps: kind -> (count, bytes, seconds)."""
-        return {kind: tuple(values) for kind, values in self._all.items()}

@@ -22,7 +22,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
-from torch.distributed.device_mesh import DeviceMesh
 
 from parallelkit.callbacks.comm import CommunicationMonitor
 from parallelkit.callbacks.preemption import PreemptionCheckpoint
@@ -31,7 +30,7 @@ from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
 from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import clip_grad_norm_
-from parallelkit.mesh import MeshSpec, data_parallel_mesh
+from parallelkit.mesh import MeshSpec
 
 MeshShape = str | Sequence[Any]
 """`[[sizes...], [axis names...]]`, as a list or a JSON string, or "auto"."""
@@ -153,11 +152,6 @@ class ParallelkitStrategy(ModelParallelStrategy):
         self._device_mesh = self.mesh_spec.build(self.root_device.type)
         # The escape hatch: a model that overrides configure_model() parallelises itself with this mesh.
         self.lightning_module._device_mesh = self._device_mesh
-
-    @property
-    def dp_mesh(self) -> DeviceMesh:
-        """The sub-mesh over which batches differ (replicate x fsdp, or fsdp)."""
-        return data_parallel_mesh(self.device_mesh)
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
