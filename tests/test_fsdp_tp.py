@@ -156,3 +156,11 @@ def test_python_api_by_registered_name(tmp_path):
     assert_ok(proc)
     assert 'FSDPTPStrategy [[4, 1], ["fsdp", "tp"]]' in proc.stdout
     assert 'HSDPStrategy [[2, 2, 1], ["replicate", "fsdp", "tp"]]' in proc.stdout
+
+
+def test_optimizer_from_the_command_line_steps_the_sharded_parameters(tmp_path, corpus):
+    """LightningCLI builds `--optimizer` before the strategy shards the model; it must still train the shards."""
+    sgd = [*common(corpus, tmp_path / "cache", steps=6), "--optimizer=torch.optim.SGD", "--optimizer.lr=0.1"]
+    assert_ok(fit("single.yaml", tmp_path / "single", *sgd))
+    assert_ok(fit("hybrid.yaml", tmp_path / "hybrid", *sgd))
+    assert_same_losses(step_losses(tmp_path / "single"), step_losses(tmp_path / "hybrid"))

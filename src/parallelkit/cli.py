@@ -12,8 +12,10 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
+from functools import update_wrapper
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from types import MethodType
 
 from lightning.pytorch.cli import LightningCLI
 from rich.console import Console
@@ -48,6 +50,32 @@ class ParallelkitCLI(LightningCLI):
             args=args,
             **kwargs,
         )
+
+    def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
+        """`--optimizer`/`--lr_scheduler` from the command line, rebound to the parameters the model has when the
+        strategy asks for its optimizers.
+
+        LightningCLI builds that optimizer here, from the model as constructed; parallelkit strategies then
+        replace parameters (FSDP and TP make DTensors, a pipeline stage drops other stages' layers), and an
+        optimizer left holding the originals would step tensors the model no longer uses. Parameters are
+        matched by name, which sharding keeps.
+        """
+        super()._add_configure_optimizers_method_to_model(subcommand)
+        configure = getattr(self.model.configure_optimizers, "__func__", None)
+        optimizer = getattr(configure, "keywords", {}).get("optimizer")
+        if optimizer is None:
+            return  # the model's own configure_optimizers, which runs after sharding anyway
+        names = {id(param): name for name, param in self.model.named_parameters()}
+        group_names = [[names[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+
+        def rebound(module: object) -> object:
+            current = dict(module.named_parameters())
+            for group, wanted in zip(optimizer.param_groups, group_names):
+                group["params"] = [current[name] for name in wanted if name in current]
+            return configure(module)
+
+        update_wrapper(rebound, configure)  # Lightning's is_overridden() reads the wrapped function
+        self.model.configure_optimizers = MethodType(rebound, self.model)
 
     def _check_ckpt_path(self) -> None:
         """A sharded checkpoint needs a parallelkit strategy to load; say so instead of failing in torch.load."""

@@ -8,6 +8,10 @@ A distribution declares, in its pyproject.toml::
 and after `pip install`, `import parallelkit` registers `foo` in Lightning's StrategyRegistry, so
 `Trainer(strategy="foo")` works. A plugin that fails to import, or whose name is already taken, is a
 `PluginWarning` naming the distribution and the error; the others still load.
+
+A plugin states the plugin API it was written against with a class attribute `plugin_api = 1` on its strategy
+(or comm hook) class; when that is not this parallelkit's `PLUGIN_API`, the plugin is still registered and a
+`PluginWarning` says which versions differ and how to fix it.
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ from importlib.metadata import EntryPoint, entry_points
 from typing import Any
 
 from parallelkit.errors import PluginWarning
+
+PLUGIN_API = 1
+"""Version of what plugins build on: the entry-point groups, `ParallelkitStrategy`'s hooks, `StrategyPreset`,
+`CommHook`, `MeshSpec`, `parallelize` and the checkpoint helpers. Raised when any of them changes incompatibly."""
 
 STRATEGY_GROUP = "parallelkit.strategies"
 COMM_HOOK_GROUP = "parallelkit.comm_hooks"
@@ -105,6 +113,35 @@ def discover(group: str) -> list[Plugin]:
     return _found[group]
 
 
+def check_api(plugin: Plugin, target: Any) -> None:
+    """Warn when `target` (a plugin's class) declares a `plugin_api` other than this parallelkit's."""
+    wanted = getattr(target, "plugin_api", None)
+    if wanted is None or wanted == PLUGIN_API:
+        return
+    newer = isinstance(wanted, int) and wanted > PLUGIN_API
+    fix = (
+        f"upgrade parallelkit to one that provides plugin API {wanted}"
+        if newer
+        else f"upgrade {plugin.distribution} to a release written for plugin API {PLUGIN_API}"
+    )
+    warnings.warn(
+        f"parallelkit plugin {plugin.name!r} from {plugin.origin} was written for parallelkit plugin API "
+        f"{wanted!r}, but this parallelkit {_own_version()} provides plugin API {PLUGIN_API}. It is registered, but "
+        f"may fail when used: {fix}.",
+        PluginWarning,
+        stacklevel=3,
+    )
+
+
+def _own_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version(OWN_DISTRIBUTION)
+    except PackageNotFoundError:
+        return "(not installed)"
+
+
 def _strategy_and_params(plugin: Plugin) -> tuple[type, dict[str, Any], str]:
     from lightning.pytorch.strategies import Strategy
 
@@ -154,6 +191,7 @@ def register_strategies() -> list[Plugin]:
                 stacklevel=2,
             )
             continue
+        check_api(plugin, strategy)
         StrategyRegistry.register(plugin.name, strategy, description=description, **params)
         _registered_by[plugin.name] = plugin.origin
     return plugins
@@ -175,5 +213,6 @@ def comm_hooks() -> dict[str, Plugin]:
                 stacklevel=2,
             )
             continue
+        check_api(plugin, plugin.obj)
         hooks[plugin.name] = plugin
     return hooks

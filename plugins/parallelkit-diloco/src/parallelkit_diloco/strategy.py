@@ -1,0 +1,145 @@
+"""DiLoCo: data-parallel replicas that train on their own for `sync_every` steps, then synchronise once.
+
+Each replica (one process, or an fsdp/tp group of them) runs the model's own optimizer (the inner optimizer)
+with no gradient communication across replicas. Every `sync_every` optimizer steps the replicas average their
+pseudo-gradient, the distance they moved since the last synchronisation, and an outer SGD step (Nesterov
+momentum in DiLoCo) moves the shared weights along it; every replica continues from the result. With
+`outer_lr=1` and no momentum that is parameter averaging (local SGD); with `sync_every=1` as well and a plain
+SGD inner optimizer, it is exactly data-parallel SGD.
+
+Communication across replicas is one all-reduce of the parameters every `sync_every` steps instead of one of
+the gradients every step: 1/`sync_every` of DDP's bytes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from parallelkit import CommHook, ConfigError, FSDPTPStrategy, MeshSpec, parallelize, resolve_comm_hook
+from parallelkit.strategies.base import MeshShape
+from torch.distributed.tensor import DTensor
+
+
+class DiLoCoStrategy(FSDPTPStrategy):
+    """DiLoCo / local SGD over a `replicate` axis, each replica optionally sharded (fsdp) and tensor-parallel (tp).
+
+    Args:
+        mesh_shape: Sizes then axis names, outer to inner; must contain `replicate`, e.g. `[[2], ["replicate"]]`
+            (every process its own replica) or `[[2, 2], ["replicate", "fsdp"]]` (2 replicas, each sharded over
+            2 processes). "auto": every process is a replica.
+        sync_every: Inner optimizer steps between synchronisations (DiLoCo's H).
+        outer_lr: Learning rate of the outer SGD step on the averaged pseudo-gradient (1.0 = take the average).
+        outer_momentum: Momentum of the outer SGD (0.0 with outer_lr=1.0 is local SGD's plain averaging).
+        nesterov: Nesterov momentum for the outer step (DiLoCo's choice).
+        outer_comm_precision: Precision of the synchronisation all-reduce: "fp32" (default), "bf16", "fp16", or
+            any installed comm hook that reduces in a dtype (not one that replaces the collective, such as int8).
+        **kwargs: Arguments of `parallelkit.FSDPTPStrategy` for the replicas' inner layout (activation_checkpointing,
+            comm_precision of the inner fsdp reduce-scatter, profile_communication, timeout, ...).
+    """
+
+    plugin_api = 1
+    required_axes = ("replicate", "fsdp", "tp")
+
+    def __init__(
+        self,
+        mesh_shape: MeshShape = "auto",
+        sync_every: int = 8,
+        outer_lr: float = 0.7,
+        outer_momentum: float = 0.9,
+        nesterov: bool = True,
+        outer_comm_precision: str | CommHook | None = None,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(mesh_shape=mesh_shape, **kwargs)
+        self.sync_every = sync_every
+        self.outer_lr = outer_lr
+        self.outer_momentum = outer_momentum
+        self.nesterov = nesterov
+        self.outer_comm_precision = outer_comm_precision
+        self.outer_hook: CommHook | None = None
+        self._anchor: list[torch.Tensor] | None = None  # the weights of the last synchronisation, local shards
+        self._outer_optimizer: torch.optim.Optimizer | None = None
+
+    def check_options(self) -> None:
+        super().check_options()
+        if isinstance(self.sync_every, bool) or not isinstance(self.sync_every, int) or self.sync_every < 1:
+            raise ConfigError(f"sync_every={self.sync_every!r}: give the number of inner steps between syncs (>= 1).")
+        if self.outer_lr <= 0 or not 0 <= self.outer_momentum < 1:
+            raise ConfigError(
+                f"outer_lr={self.outer_lr}, outer_momentum={self.outer_momentum}: need outer_lr > 0 and "
+                "0 <= outer_momentum < 1 (DiLoCo: 0.7 and 0.9; local SGD: 1.0 and 0.0)."
+            )
+        self.outer_hook = resolve_comm_hook(self.outer_comm_precision)
+        if type(self.outer_hook).configure is not CommHook.configure:
+            raise ConfigError(
+                f"outer_comm_precision={self.outer_comm_precision!r} replaces FSDP's reduce-scatter and has no "
+                "all-reduce form for the outer synchronisation; use fp32, bf16 or fp16."
+            )
+
+    def auto_mesh(self, num_nodes: int, devices: int) -> MeshShape:
+        return [[-1], ["replicate"]]
+
+    def _full_spec(self, spec: MeshSpec) -> MeshSpec:
+        if "replicate" not in spec.names:
+            raise ConfigError(
+                f"strategy diloco needs a 'replicate' axis (the replicas that synchronise every sync_every steps), "
+                f"but mesh_shape is {spec}. Fix: [[{spec.world_size}], [\"replicate\"]], or put replicate outermost "
+                f"before the inner axes: {MeshSpec((1, *spec.sizes), ('replicate', *spec.names))} with its size."
+            )
+        return super()._full_spec(spec)
+
+    # -- the replicas --------------------------------------------------------------------------------------------
+    def parallelize_model(self, trainer: Any) -> None:
+        """Shard and tensor-parallelise inside each replica only: no gradient ever crosses the replicate axis."""
+        inner = self.device_mesh["fsdp", "tp"]
+        if self.mesh_spec.size("fsdp") == 1 and self.precision_plugin.param_dtype is None:
+            inner = self.device_mesh["tp"]  # nothing to shard: no FSDP, so no size-1 collectives either
+        parallelize(self.model, inner, **self.parallelize_options())
+
+    def _local_parameters(self) -> list[torch.Tensor]:
+        """This rank's part of every trainable parameter (DTensors' local shards, in place)."""
+        return [
+            p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters() if p.requires_grad
+        ]
+
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        if self._anchor is None:  # first step of this fit (fresh or resumed): the weights all replicas share
+            self._set_anchor()
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if (self.lightning_module.trainer.global_step + 1) % self.sync_every == 0:
+            self.synchronize()
+        return output
+
+    def on_train_end(self) -> None:
+        # The replicas end where they are; the model a user keeps is their synchronised one.
+        if self._anchor is not None and self.lightning_module.trainer.global_step % self.sync_every:
+            self.synchronize()
+        super().on_train_end()
+
+    @torch.no_grad()
+    def _set_anchor(self) -> None:
+        self._anchor = [p.detach().clone() for p in self._local_parameters()]
+        self._outer_optimizer = torch.optim.SGD(
+            self._anchor, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov and self.outer_momentum > 0
+        )
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Average the pseudo-gradients (anchor - local) over the replicas, take the outer step, continue from it."""
+        replicate = self.device_mesh["replicate"]
+        local = self._local_parameters()
+        pseudo = torch.cat([(a - p).flatten() for a, p in zip(self._anchor, local)])
+        wire = pseudo.to(self.outer_hook.reduce_dtype or pseudo.dtype)
+        # Divide before the sum so fp16 cannot overflow; bf16/fp32 lose nothing by it.
+        wire.div_(replicate.size())
+        dist.all_reduce(wire, group=replicate.get_group())
+        offset = 0
+        for anchor in self._anchor:
+            anchor.grad = wire[offset : offset + anchor.numel()].view_as(anchor).to(anchor.dtype)
+            offset += anchor.numel()
+        self._outer_optimizer.step()
+        self._outer_optimizer.zero_grad(set_to_none=True)
+        for param, anchor in zip(local, self._anchor):
+            param.copy_(anchor)

@@ -1,0 +1,168 @@
+"""parallelkit-diloco, tested as its users run it: installed with pip, selected by name, launched by the CLI."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import parallelkit
+import pytest
+
+PLUGIN = Path(__file__).resolve().parents[1]
+CONFIG = PLUGIN / "configs" / "diloco.yaml"
+DDP_CONFIG = Path(parallelkit.__file__).resolve().parents[2] / "configs" / "ddp.yaml"
+PARAMS = 131_392  # the configs' GPT (n_layer=2, n_embd=64, byte vocabulary)
+
+
+def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    return proc
+
+
+def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
+    assert proc.returncode == 0, f"exit {proc.returncode}\n{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
+    return proc
+
+
+def fit(config: Path, out: Path, corpus: Path, *overrides: str) -> dict[str, dict[int, float]]:
+    """`parallelkit fit` in a subprocess; returns every logged metric by step."""
+    out.mkdir(parents=True)
+    ok(
+        run(
+            sys.executable,
+            "-m",
+            "parallelkit.cli",
+            "fit",
+            f"--config={config}",
+            f"--trainer.logger.init_args.save_dir={out}",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            "--trainer.limit_val_batches=0",
+            f"--data.init_args.paths={corpus}",
+            f"--data.init_args.cache_dir={out.parent / 'cache'}",
+            "--trainer.callbacks+=parallelkit.callbacks.CommunicationMonitor",
+            *overrides,
+            cwd=out,
+        )
+    )
+    (metrics,) = out.rglob("metrics.csv")
+    values: dict[str, dict[int, float]] = {}
+    with open(metrics) as f:
+        for row in csv.DictReader(f):
+            for key, value in row.items():
+                if value and key not in ("epoch", "step"):
+                    values.setdefault(key, {})[int(row["step"])] = float(value)
+    return values
+
+
+SGD = ["--optimizer=torch.optim.SGD", "--optimizer.lr=0.1"]
+LOCAL_SGD_EVERY_STEP = [
+    "--trainer.strategy.sync_every=1",
+    "--trainer.strategy.outer_lr=1.0",
+    "--trainer.strategy.outer_momentum=0.0",
+]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    text = "".join(p.read_text() for p in sorted(Path(parallelkit.__file__).parent.rglob("*.py")))
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(text * max(1, 400_000 // len(text)))
+    return path
+
+
+@pytest.fixture(scope="module")
+def ddp(tmp_path_factory, corpus) -> dict[str, dict[int, float]]:
+    """Lightning's DDP on 2 processes, inner SGD, 16 steps: the algorithm DiLoCo with sync_every=1 must equal."""
+    return fit(DDP_CONFIG, tmp_path_factory.mktemp("ddp") / "run", corpus, "--trainer.max_steps=16", *SGD)
+
+
+def assert_same(expected: dict[int, float], actual: dict[int, float], rtol: float) -> None:
+    assert sorted(expected) == sorted(actual)
+    for step, value in expected.items():
+        assert abs(actual[step] - value) <= rtol * abs(value), (step, value, actual[step])
+
+
+def test_diloco_every_step_with_plain_outer_sgd_is_ddp(tmp_path, corpus, ddp):
+    diloco = fit(CONFIG, tmp_path / "run", corpus, "--trainer.max_steps=16", *SGD, *LOCAL_SGD_EVERY_STEP)
+    assert_same(ddp["train_loss"], diloco["train_loss"], rtol=1e-5)
+    assert diloco["train_loss"][15] < diloco["train_loss"][0] - 0.5
+
+
+def test_replicas_sharded_over_fsdp_are_still_ddp(tmp_path, corpus, ddp):
+    diloco = fit(
+        CONFIG,
+        tmp_path / "run",
+        corpus,
+        "--trainer.max_steps=16",
+        *SGD,
+        *LOCAL_SGD_EVERY_STEP,
+        '--trainer.strategy.mesh_shape=[[2, 2], ["replicate", "fsdp"]]',
+        "--trainer.devices=4",
+        "--data.init_args.batch_size=2",
+    )
+    assert_same(ddp["train_loss"], diloco["train_loss"], rtol=1e-5)
+
+
+def test_sync_every_8_sends_an_eighth_of_ddps_data_parallel_bytes(tmp_path, corpus, ddp):
+    diloco = fit(CONFIG, tmp_path / "run", corpus, "--trainer.max_steps=16", *SGD)
+    ddp_bytes = sum(ddp["comm/all_reduce_bytes"].values())
+    diloco_bytes = diloco["comm/all_reduce_bytes"]
+    # Every step all-reduces the 4-byte logged loss; steps 8 and 16 also all-reduce every parameter once.
+    assert {step for step, b in diloco_bytes.items() if b > 4} == {7, 15}
+    assert diloco_bytes[7] == 4.0 * PARAMS + 4
+    assert sum(diloco_bytes.values()) / ddp_bytes == pytest.approx(1 / 8, rel=0.02)
+    assert diloco["train_loss"][15] < diloco["train_loss"][0] - 0.5
+
+
+def test_bf16_outer_communication_halves_the_sync_bytes(tmp_path, corpus):
+    diloco = fit(
+        CONFIG, tmp_path / "run", corpus, "--trainer.max_steps=8", *SGD, "--trainer.strategy.outer_comm_precision=bf16"
+    )
+    assert diloco["comm/all_reduce_bytes"][7] == 2.0 * PARAMS + 4
+
+
+def test_mesh_without_replicate_axis_is_refused_with_a_fix(tmp_path):
+    proc = run(
+        sys.executable,
+        "-m",
+        "parallelkit.cli",
+        "fit",
+        f"--config={CONFIG}",
+        '--trainer.strategy.mesh_shape=[[2], ["fsdp"]]',
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "needs a 'replicate' axis" in proc.stderr and '[[2], ["replicate"]]' in proc.stderr
+
+
+def test_registered_by_name_and_listed_with_its_distribution(tmp_path):
+    code = (
+        "import lightning as L, parallelkit\n"
+        "t = L.Trainer(strategy='diloco', accelerator='cpu', devices=2, logger=False)\n"
+        "print(type(t.strategy).__name__, t.strategy.mesh_spec, t.strategy.sync_every)\n"
+    )
+    proc = ok(run(sys.executable, "-c", code, cwd=tmp_path))
+    assert 'DiLoCoStrategy [[2, 1, 1], ["replicate", "fsdp", "tp"]] 8' in proc.stdout
+    listing = ok(run(sys.executable, "-m", "parallelkit.cli", "plugins", cwd=tmp_path)).stdout
+    assert any("diloco" in line and "parallelkit-diloco 0.1.0" in line for line in listing.splitlines())
+
+
+def test_uninstalling_removes_the_strategy_and_reinstalling_brings_it_back(tmp_path):
+    """Last in this file: it really uninstalls the plugin from this environment, then reinstalls it."""
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    code = "import lightning as L, parallelkit\nL.Trainer(strategy='diloco', accelerator='cpu', devices=2)\n"
+    ok(run(*pip, "uninstall", "-y", "parallelkit-diloco", cwd=tmp_path))
+    try:
+        gone = run(sys.executable, "-c", code, cwd=tmp_path)
+        listing = ok(run(sys.executable, "-m", "parallelkit.cli", "plugins", cwd=tmp_path)).stdout
+    finally:
+        ok(run(*pip, "install", "--no-deps", "--no-build-isolation", "-e", str(PLUGIN), cwd=tmp_path))
+    assert gone.returncode != 0 and "invalid strategy name: `strategy='diloco'`" in gone.stderr
+    assert "diloco" not in listing
+    ok(run(sys.executable, "-c", code, cwd=tmp_path))
