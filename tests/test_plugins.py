@@ -86,3 +86,33 @@ def test_registering_twice_is_harmless():
 
     register_strategies()
     register_strategies()
+
+
+FUTURE = """
+from lightning.pytorch.strategies import DDPStrategy
+
+class FutureStrategy(DDPStrategy):
+    '''Written against a plugin API this parallelkit does not have yet.'''
+    plugin_api = 99
+"""
+
+
+def test_plugin_for_another_api_version_warns_with_both_versions_and_still_registers(tmp_path: Path):
+    site = tmp_path / "site"
+    install_fake_distribution(
+        site, "parallelkit-future", "pk_future", FUTURE, "[parallelkit.strategies]\nfuture = pk_future:FutureStrategy\n"
+    )
+    code = (
+        "import warnings\n"
+        "warnings.simplefilter('always')\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    import parallelkit\n"
+        "for w in caught: print('WARNING', w.message)\n"
+        "import lightning as L\n"
+        "print('STRATEGY', type(L.Trainer(strategy='future', accelerator='cpu', devices=1)).__name__)\n"
+    )
+    proc = run([sys.executable, "-c", code], cwd=tmp_path, PYTHONPATH=str(site))
+    assert_ok(proc)
+    assert "'future' from parallelkit-future 0.3 was written for parallelkit plugin API 99" in proc.stdout
+    assert "provides plugin API 1" in proc.stdout and "upgrade parallelkit" in proc.stdout
+    assert "STRATEGY Trainer" in proc.stdout

@@ -8,8 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import parallelkit
 import pytest
+
+import parallelkit
 
 PLUGIN = Path(__file__).resolve().parents[1]
 CONFIG = PLUGIN / "configs" / "diloco.yaml"

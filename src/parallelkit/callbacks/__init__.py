@@ -1,7 +1,14 @@
-"""Monitors that Lightning lacks."""
+"""Monitors that Lightning lacks, and Lightning's ThroughputMonitor made mesh-aware."""
 
 from parallelkit.callbacks.activations import ActivationMemoryMonitor
 from parallelkit.callbacks.comm import CommunicationMonitor
+from parallelkit.callbacks.monitors import RankMonitor, ThroughputMonitor
 from parallelkit.callbacks.preemption import PreemptionCheckpoint
 
-__all__ = ["ActivationMemoryMonitor", "CommunicationMonitor", "PreemptionCheckpoint"]
+__all__ = [
+    "ActivationMemoryMonitor",
+    "CommunicationMonitor",
+    "PreemptionCheckpoint",
+    "RankMonitor",
+    "ThroughputMonitor",
+]

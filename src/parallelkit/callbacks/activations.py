@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning as L
 import torch
+from torch.distributed.tensor import DTensor
 
 
 class _SavedTensorLedger:
@@ -25,8 +26,12 @@ class _SavedTensorLedger:
     def pack(self, tensor: torch.Tensor) -> Any:
         if tensor.is_leaf and tensor.requires_grad:
             return tensor
-        storage = tensor.untyped_storage()
-        key = (storage.data_ptr(), storage.nbytes())
+        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # DTensors wrap a local shard
+        try:
+            storage = local.untyped_storage()
+            key = (storage.data_ptr(), storage.nbytes())
+        except RuntimeError:  # another wrapper subclass without storage of its own: not counted
+            return tensor
         if self._refs[key] == 0:
             self.live += key[1]
             self.peak = max(self.peak, self.live)

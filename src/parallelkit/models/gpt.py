@@ -162,6 +162,22 @@ class GPT(L.LightningModule):
         self.dp_group = data_parallel_group(self.trainer.strategy)
         self.val_loss.process_group = self.dp_group
 
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token of the layers this module holds (all of them unless a
+        pipeline stage dropped some): 6 per weight of every matrix multiply (the embedding lookup is none), plus
+        12 x width x sequence length per block for attention scores and values (PaLM's accounting)."""
+        matmul = sum(p.numel() for name, p in self.named_parameters() if p.ndim == 2 and not name.startswith("tok_"))
+        blocks = sum(block is not None for block in self.blocks)
+        return 6.0 * matmul + 12.0 * blocks * self.hparams.n_embd * seq_len
+
+    def on_train_batch_start(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        # What ThroughputMonitor reads for MFU: the FLOPs this process performs on its batch. Parameter sizes
+        # are global (DTensor), and the tp ranks of a replica split each layer's work between them.
+        if not hasattr(self, "_flops_per_token"):
+            self._flops_per_token = self.flops_per_token(batch[0].size(1))
+        spec = getattr(self.trainer.strategy, "mesh_spec", None)
+        self.flops_per_batch = self._flops_per_token * batch[0].numel() / (spec.size("tp") if spec else 1)
+
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = self.pipeline_loss(self(x), y)

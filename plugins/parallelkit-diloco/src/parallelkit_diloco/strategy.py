@@ -17,9 +17,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
 from parallelkit import CommHook, ConfigError, FSDPTPStrategy, MeshSpec, parallelize, resolve_comm_hook
 from parallelkit.strategies.base import MeshShape
-from torch.distributed.tensor import DTensor
 
 
 class DiLoCoStrategy(FSDPTPStrategy):
@@ -85,7 +86,7 @@ class DiLoCoStrategy(FSDPTPStrategy):
         if "replicate" not in spec.names:
             raise ConfigError(
                 f"strategy diloco needs a 'replicate' axis (the replicas that synchronise every sync_every steps), "
-                f"but mesh_shape is {spec}. Fix: [[{spec.world_size}], [\"replicate\"]], or put replicate outermost "
+                f'but mesh_shape is {spec}. Fix: [[{spec.world_size}], ["replicate"]], or put replicate outermost '
                 f"before the inner axes: {MeshSpec((1, *spec.sizes), ('replicate', *spec.names))} with its size."
             )
         return super()._full_spec(spec)
@@ -100,9 +101,7 @@ class DiLoCoStrategy(FSDPTPStrategy):
 
     def _local_parameters(self) -> list[torch.Tensor]:
         """This rank's part of every trainable parameter (DTensors' local shards, in place)."""
-        return [
-            p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters() if p.requires_grad
-        ]
+        return [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters() if p.requires_grad]
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._anchor is None:  # first step of this fit (fresh or resumed): the weights all replicas share
@@ -122,7 +121,10 @@ class DiLoCoStrategy(FSDPTPStrategy):
     def _set_anchor(self) -> None:
         self._anchor = [p.detach().clone() for p in self._local_parameters()]
         self._outer_optimizer = torch.optim.SGD(
-            self._anchor, lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.nesterov and self.outer_momentum > 0
+            self._anchor,
+            lr=self.outer_lr,
+            momentum=self.outer_momentum,
+            nesterov=self.nesterov and self.outer_momentum > 0,
         )
 
     @torch.no_grad()

@@ -1,0 +1,188 @@
+"""Monitors a user watches during a run: throughput, per-rank step time with the straggler ratio, peak memory."""
+
+from __future__ import annotations
+
+import resource
+import statistics
+import sys
+import time
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.fabric.utilities.throughput import Throughput
+from lightning.pytorch.callbacks import ThroughputMonitor as LightningThroughputMonitor
+from torch.distributed.tensor import DTensor
+
+from parallelkit.callbacks.activations import _SavedTensorLedger
+
+
+def _samples(batch: Any) -> int:
+    return int(batch[0].size(0))
+
+
+def _tokens(batch: Any) -> int:
+    return int(batch[0].numel())
+
+
+def data_parallel_size(strategy: Any) -> int:
+    """Number of distinct batches per step: a parallelkit mesh's dp size, else every process."""
+    spec = getattr(strategy, "mesh_spec", None)
+    return spec.dp_size if spec is not None else strategy.world_size
+
+
+class ThroughputMonitor(LightningThroughputMonitor):
+    """Lightning's ThroughputMonitor for token batches `(inputs, targets)`, counting replicas, not processes.
+
+    Logs `train/samples_per_sec` and `train/items_per_sec` (tokens/s) for the whole job, `train/device/...` for
+    rank 0, and MFU (`train/device/mfu`) when the device's peak FLOP/s are known (CUDA) and the model has a
+    `flops_per_batch` attribute (FLOPs one process performs per batch, as `parallelkit.models.GPT` gives).
+    Tensor- and pipeline-parallel ranks of one replica share a batch, so the job-wide figures scale with the
+    data-parallel size, where Lightning's would multiply by the world size.
+
+    Args:
+        batch_size_fn: Samples in a batch (default: `batch[0].size(0)`).
+        length_fn: Tokens in a batch (default: `batch[0].numel()`).
+        window_size: Steps the rates are averaged over (they appear once that many steps have run).
+        **kwargs: Passed to Lightning's `Throughput`.
+    """
+
+    def __init__(
+        self, batch_size_fn: Any = _samples, length_fn: Any = _tokens, window_size: int = 5, **kwargs: Any
+    ) -> None:
+        super().__init__(batch_size_fn=batch_size_fn, length_fn=length_fn, window_size=window_size, **kwargs)
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)
+        for key in self._throughputs:
+            self._throughputs[key] = _ReplicaThroughput(
+                trainer.world_size,
+                available_flops=self.available_flops,
+                world_size=data_parallel_size(trainer.strategy),
+                **self.kwargs,
+            )
+
+
+class _ReplicaThroughput(Throughput):
+    """Job-wide rates from rank 0's: samples and tokens times the replicas; FLOPs times the processes (each
+    performs its own share, `flops_per_batch`)."""
+
+    def __init__(self, processes: int, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.processes = processes
+
+    def compute(self) -> dict[str, int | float]:
+        metrics = super().compute()
+        prefix = f"device{self.separator}"
+        for key, value in list(metrics.items()):
+            if key.startswith(prefix) and key != f"{prefix}mfu":
+                name = key.removeprefix(prefix)
+                # Lightning leaves job-wide rates out for one replica; tp/pp jobs have one and still want them.
+                metrics[name] = value * (self.processes if name == "flops_per_sec" else self.world_size)
+        return metrics
+
+
+def training_state_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
+    """Bytes this rank holds of parameters, gradients and optimizer state (local shards, from storage sizes)."""
+
+    def local(t: torch.Tensor) -> int:
+        t = t.to_local() if isinstance(t, DTensor) else t
+        return t.numel() * t.element_size()
+
+    params = list(module.parameters())
+    total = sum(local(p) for p in params) + sum(local(p.grad) for p in params if p.grad is not None)
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            total += sum(local(v) for v in state.values() if torch.is_tensor(v) and v.ndim > 0)
+    return total
+
+
+def peak_rss_bytes() -> int:
+    """The process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024
+
+
+class RankMonitor(L.Callback):
+    """Per-rank step time and peak memory, gathered from every rank, logged with the straggler ratio.
+
+    Every `every_n_steps` optimizer steps (default: the trainer's `log_every_n_steps`), each rank's mean step
+    time over the window and its peak memory are all-gathered (one small collective) and logged:
+
+    - `rank/step_s` (median rank), `rank/step_s_max`, `rank/straggler` = slowest / median rank (progress bar);
+    - `memory/peak_mb`: the largest rank's peak. On CUDA, the allocator's max allocated bytes. On CPU, where no
+      allocator keeps a peak, the tensor peak as counted: parameters + gradients + optimizer state (local shards,
+      at the step's end) + the most bytes autograd held for backward during a step. Transient buffers
+      (gathered FSDP parameters, communication buffers, the step's last outputs) are not in the CPU figure.
+    - `memory/state_mb`, `memory/activations_mb` (largest rank), and on CPU `memory/rss_peak_mb` (the process's
+      peak resident memory, Python and libraries included).
+    """
+
+    def __init__(self, every_n_steps: int | None = None) -> None:
+        self.every_n_steps = every_n_steps
+        self._step_start: float | None = None
+        self._times: list[float] = []
+        self._ledger: _SavedTensorLedger | None = None
+        self._hooks: Any = None
+        self._activations = 0
+        self._state = 0
+
+    @staticmethod
+    def _cuda(trainer: L.Trainer) -> bool:
+        return trainer.strategy.root_device.type == "cuda"
+
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._step_start is None:  # first micro-batch of an optimizer step
+            self._step_start = time.perf_counter()
+        if not self._cuda(trainer):
+            self._ledger = _SavedTensorLedger()
+            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._ledger.pack, self._ledger.unpack)
+            self._hooks.__enter__()
+
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if self._hooks is not None:
+            self._hooks.__exit__(None, None, None)
+            self._hooks = None
+            self._activations = max(self._activations, self._ledger.peak)
+        if trainer.fit_loop._should_accumulate():
+            return  # the optimizer step, and so the step time, ends with the last micro-batch
+        if self._cuda(trainer):
+            torch.cuda.synchronize()
+        self._times.append(time.perf_counter() - self._step_start)
+        self._step_start = None
+        self._state = max(self._state, training_state_bytes(pl_module, trainer.optimizers))
+        every = self.every_n_steps or trainer.log_every_n_steps
+        if trainer.global_step % every == 0:
+            self._log(trainer, pl_module)
+
+    def _log(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        device = trainer.strategy.root_device
+        if self._cuda(trainer):
+            peak, rss = torch.cuda.max_memory_allocated(device), 0
+        else:
+            peak, rss = self._state + self._activations, peak_rss_bytes()
+        mine = torch.tensor(
+            [statistics.fmean(self._times), peak, self._state, self._activations, rss],
+            dtype=torch.float64,
+            device=device,
+        )
+        self._times.clear()
+        everyone = trainer.strategy.all_gather(mine).reshape(-1, mine.numel()).cpu()
+        times = everyone[:, 0].tolist()
+        median = statistics.median(times)
+        metrics = {
+            "rank/step_s": median,
+            "rank/step_s_max": max(times),
+            "rank/straggler": max(times) / median if median > 0 else 1.0,
+            "memory/peak_mb": everyone[:, 1].max().item() / 2**20,
+            "memory/state_mb": everyone[:, 2].max().item() / 2**20,
+            "memory/activations_mb": everyone[:, 3].max().item() / 2**20,
+        }
+        if not self._cuda(trainer):
+            metrics["memory/rss_peak_mb"] = everyone[:, 4].max().item() / 2**20
+        for name, value in metrics.items():
+            pl_module.log(name, value, on_step=True, rank_zero_only=True, prog_bar=name == "rank/straggler")
