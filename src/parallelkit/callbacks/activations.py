@@ -69,6 +69,8 @@ class ActivationMemoryMonitor(L.Callback):
     def __init__(self) -> None:
         self._ledger: _SavedTensorLedger | None = None
         self._hooks: Any = None
+        self.peak_bytes = 0
+        """This rank's largest per-step peak so far (every rank keeps its own; loggers see rank 0's)."""
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
@@ -81,4 +83,5 @@ class ActivationMemoryMonitor(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._hooks.__exit__(None, None, None)
+        self.peak_bytes = max(self.peak_bytes, self._ledger.peak)
         pl_module.log("activation_peak_mb", self._ledger.peak / 2**20, on_step=True, rank_zero_only=True)

@@ -1,0 +1,241 @@
+"""parallelkit `fsdp_tp` against the two things a user would otherwise write, on the same model, data and mesh.
+
+    python benchmarks/strategies.py                   # [[2,1]] and [[1,2]] on 2 processes (CPU/gloo or GPUs)
+    python benchmarks/strategies.py --layouts '[[4,1],["fsdp","tp"]]' --nproc 4 --repeats 7
+
+(a) `parallelkit`: `FSDPTPStrategy(mesh_shape=...)` applying the model's declared plan;
+(b) `lightning`: Lightning's `ModelParallelStrategy` with a hand-written `configure_model` doing the same
+    parallelize_module + fully_shard (the same reshard policy);
+(c) `raw`: a plain PyTorch loop with the same parallelisation, optimizer and loss logging, no Lightning (the floor).
+
+The variants take turns inside one job (a, b, c, then b, c, a, ...), so drift in the machine's speed hits all
+three alike. Step time is the wall time between the ends of consecutive optimizer steps (data loading and the
+loop included); the first `--warmup` steps of every run are dropped. Writes results/strategies.{json,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+import torch.distributed as dist
+from harness import (
+    StepClock,
+    accelerator,
+    chart,
+    in_worker,
+    launch,
+    machine,
+    peak_memory_mb,
+    reset_peak_memory,
+    summarise,
+    synchronize,
+    write,
+)
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.device_mesh import init_device_mesh
+from torch.utils.data import DataLoader
+
+import parallelkit
+from parallelkit.data import SyntheticDataModule
+from parallelkit.data.sampler import GlobalBatchSampler
+from parallelkit.mesh import MeshSpec
+from parallelkit.models import GPT
+
+VARIANTS = ("parallelkit", "lightning", "raw")
+
+
+def parallelize_by_hand(model: GPT, tp_mesh, dp_mesh) -> None:
+    """What a Lightning ModelParallelStrategy user writes in configure_model for this GPT (and a raw loop
+    user before training): tensor parallel with sequence parallelism, then FSDP2 per block and the root."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        SequenceParallel,
+        parallelize_module,
+    )
+
+    if tp_mesh.size() > 1:
+        plan = {
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        }
+        for i in range(len(model.blocks)):
+            plan |= {
+                f"blocks.{i}.attn_norm": SequenceParallel(),
+                f"blocks.{i}.mlp_norm": SequenceParallel(),
+                **{f"blocks.{i}.attn.{p}": ColwiseParallel(input_layouts=Shard(1)) for p in "qkv"},
+                f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
+                f"blocks.{i}.mlp.up": ColwiseParallel(input_layouts=Shard(1)),
+                f"blocks.{i}.mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+            }
+        parallelize_module(model, tp_mesh, plan)
+    for i, block in enumerate(model.blocks):
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=i < len(model.blocks) - 1)
+    fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
+
+
+class HandWrittenGPT(GPT):
+    """The reference GPT as a Lightning ModelParallelStrategy user would parallelise it."""
+
+    def configure_model(self) -> None:
+        parallelize_by_hand(self, self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"])
+
+
+def model_kwargs(args: argparse.Namespace) -> dict:
+    return {"n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd, "warmup_steps": 2}
+
+
+def data(args: argparse.Namespace, dp: int) -> SyntheticDataModule:
+    steps = args.warmup + args.steps + 1
+    return SyntheticDataModule(
+        seq_len=args.seq_len, batch_size=args.global_batch // dp, num_samples=steps * args.global_batch
+    )
+
+
+def trainer(args: argparse.Namespace, strategy, clock: StepClock) -> L.Trainer:
+    return L.Trainer(
+        accelerator=accelerator(),
+        devices=dist.get_world_size(),
+        strategy=strategy,
+        max_steps=args.warmup + args.steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=[clock],
+    )
+
+
+def run_lightning(args: argparse.Namespace, spec: MeshSpec, variant: str) -> list[float]:
+    L.seed_everything(0, verbose=False)
+    clock = StepClock()
+    if variant == "parallelkit":
+        model, strategy = GPT(**model_kwargs(args)), parallelkit.FSDPTPStrategy(mesh_shape=str(spec))
+    else:
+        model = HandWrittenGPT(**model_kwargs(args))
+        strategy = ModelParallelStrategy(data_parallel_size=spec.dp_size, tensor_parallel_size=spec.size("tp"))
+    trainer(args, strategy, clock).fit(model, data(args, spec.dp_size))
+    return clock.times[args.warmup - 1 :]
+
+
+def run_raw(args: argparse.Namespace, spec: MeshSpec) -> list[float]:
+    L.seed_everything(0, verbose=False)
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if accelerator() == "cuda" else torch.device("cpu")
+    dp, tp = spec.dp_size, spec.size("tp")
+    mesh = init_device_mesh(accelerator(), (dp, tp), mesh_dim_names=("dp", "tp"))
+    model = GPT(**model_kwargs(args))
+    parallelize_by_hand(model, mesh["tp"], mesh["dp"])
+    model.to(device)
+    decay = [p for p in model.parameters() if p.ndim >= 2]
+    no_decay = [p for p in model.parameters() if p.ndim < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}], lr=3e-3, betas=(0.9, 0.95)
+    )
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / 2))
+    dm = data(args, dp)
+    dm.setup("fit")
+    dp_rank = mesh["dp"].get_local_rank()
+    sampler = GlobalBatchSampler(len(dm.train_set), dm.batch_size, dp, dp_rank, shuffle=True, seed=dm.seed)
+    loader = DataLoader(dm.train_set, batch_size=dm.batch_size, sampler=sampler)
+    times, last = [], None
+    for _, (x, y) in zip(range(args.warmup + args.steps), loader):
+        x, y = x.to(device), y.to(device)
+        optimizer.zero_grad(set_to_none=True)
+        loss = model.pipeline_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        logged = loss.detach().clone()  # what Lightning's sync_dist logging does: the dp-mean loss
+        dist.all_reduce(logged, group=mesh["dp"].get_group())
+        synchronize()
+        now = time.perf_counter()
+        if last is not None:
+            times.append(now - last)
+        last = now
+    return times[args.warmup - 1 :]
+
+
+def worker(args: argparse.Namespace) -> None:
+    dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    spec = MeshSpec.parse(args.layout).resolve(1, dist.get_world_size())
+    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    memory: dict[str, float | None] = {}
+    for rep in range(args.repeats):
+        for variant in VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]:
+            reset_peak_memory()
+            times[variant] += run_raw(args, spec) if variant == "raw" else run_lightning(args, spec, variant)
+            memory[variant] = peak_memory_mb()
+            dist.barrier()
+    if dist.get_rank() == 0:
+        tokens = args.global_batch * args.seq_len
+        result = {
+            v: {**summarise(t), "tokens_per_s": tokens / statistics.median(t), "peak_mb": memory[v]}
+            for v, t in times.items()
+        }
+        result["ratios"] = {
+            "parallelkit/lightning": result["parallelkit"]["median_s"] / result["lightning"]["median_s"],
+            "parallelkit/raw": result["parallelkit"]["median_s"] / result["raw"]["median_s"],
+        }
+        Path(args.out).write_text(json.dumps(result))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layouts", nargs="+", default=['[[2,1],["fsdp","tp"]]', '[[1,2],["fsdp","tp"]]'])
+    parser.add_argument("--layout", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="turns per variant (default 5)")
+    parser.add_argument("--steps", type=int, default=12, help="timed steps per turn (default 12)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed steps at the start of every turn")
+    parser.add_argument("--n-layer", type=int, default=4)
+    parser.add_argument("--n-head", type=int, default=8)
+    parser.add_argument("--n-embd", type=int, default=256)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--global-batch", type=int, default=8)
+    args = parser.parse_args()
+    if in_worker():
+        worker(args)
+        return
+    results = {"machine": machine(), "command": "python benchmarks/strategies.py", "args": vars(args), "layouts": {}}
+    for layout in args.layouts:
+        out = Path(f"/tmp/parallelkit-bench-{abs(hash(layout))}.json")
+        launch(__file__, args.nproc, [f"--layout={layout}", *_forward(args)], out)
+        results["layouts"][layout] = json.loads(out.read_text())
+    write("strategies", results)
+    chart(
+        "strategies",
+        f"median step time, GPT {args.n_layer}x{args.n_embd}, {args.nproc} processes ({results['machine']['cpu']})",
+        {layout: {v: r[v]["median_s"] * 1000 for v in VARIANTS} for layout, r in results["layouts"].items()},
+        "ms per step",
+    )
+    for layout, r in results["layouts"].items():
+        print(
+            layout,
+            {v: f"{r[v]['median_s'] * 1000:.1f} ms (IQR {r[v]['iqr_s'] * 1000:.1f})" for v in VARIANTS},
+            r["ratios"],
+        )
+
+
+def _forward(args: argparse.Namespace) -> list[str]:
+    names = ("repeats", "steps", "warmup", "n_layer", "n_head", "n_embd", "seq_len", "global_batch")
+    return [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in names]
+
+
+if __name__ == "__main__":
+    main()
