@@ -1,5 +1,6 @@
 """The in-run monitors, as a user sees them: figures in the CSV logger's metrics.csv of a 2-process run."""
 
+import json
 from pathlib import Path
 
 import pytest
@@ -37,3 +38,18 @@ def test_rank_monitor_logs_step_time_straggler_ratio_and_memory(tp2):
     for step in peak:
         assert peak[step] == pytest.approx(state[step] + activations[step]) and activations[step] > 0
     assert step_losses(tp2, "memory/rss_peak_mb")[7] > peak[7]  # the process holds more than its tensors
+
+
+def test_pytorch_profiler_writes_a_trace_per_rank(tmp_path, corpus):
+    profiler = [
+        "--trainer.profiler=lightning.pytorch.profilers.PyTorchProfiler",
+        f"--trainer.profiler.dirpath={tmp_path / 'prof'}",
+        "--trainer.profiler.filename=trace",
+        "--trainer.profiler.export_to_chrome=true",
+    ]
+    mesh = ['--trainer.strategy.mesh_shape=[[2, 1], ["fsdp", "tp"]]', "--trainer.devices=2"]
+    assert_ok(fit("hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache", steps=3), *mesh, *profiler))
+    for rank in (0, 1):
+        (trace,) = (tmp_path / "prof").glob(f"fit-trace-{rank}-*FSDPTPStrategy.training_step*.pt.trace.json")
+        events = json.loads(trace.read_text())["traceEvents"]
+        assert any("aten::mm" in event.get("name", "") for event in events)  # the model's matmuls are in it
