@@ -8,6 +8,7 @@ parallelkit plugins
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import platform
 import sys
@@ -24,7 +25,7 @@ from rich.table import Table
 import parallelkit
 from parallelkit import plugins
 from parallelkit.checkpoint import CheckpointError, consolidate
-from parallelkit.errors import ParallelkitError
+from parallelkit.errors import ConfigError, ParallelkitError
 from parallelkit.mesh import MeshSpec
 
 TOOLS_HELP = """\
@@ -32,6 +33,8 @@ tools (no model, no training):
   parallelkit env [--mesh SHAPE --devices N]   versions, backends, devices, launcher env, a mesh's rank layout
   parallelkit plugins                          every discovered strategy and comm hook, and load errors
   parallelkit consolidate CKPT_DIR OUT.pt      a sharded checkpoint's weights as one plain state dict
+  parallelkit plan --config RUN.yaml --nodes N --devices-per-node G --device-memory 80GB
+                                               every valid mesh's memory and communication, and a recommendation
 """
 
 
@@ -173,10 +176,136 @@ def consolidate_command(argv: Sequence[str]) -> int:
     return 0
 
 
+def _bytes(text: str) -> float:
+    units = {"tb": 1e12, "gb": 1e9, "mb": 1e6, "tib": 2**40, "gib": 2**30, "mib": 2**20}
+    lowered = text.strip().lower()
+    for unit, scale in sorted(units.items(), key=lambda u: -len(u[0])):
+        if lowered.endswith(unit):
+            return float(lowered[: -len(unit)]) * scale
+    return float(lowered)
+
+
+def plan_command(argv: Sequence[str]) -> int:
+    """Estimate per-device memory, communication and step time of every mesh for a run, and recommend one."""
+    import json
+
+    import torch
+    import yaml
+
+    from parallelkit.planner import Hardware, Workload, gb, plan
+
+    parser = argparse.ArgumentParser(prog="parallelkit plan", description=plan_command.__doc__)
+    parser.add_argument("--config", required=True, help="the run's YAML (model, data, trainer as for `fit`)")
+    parser.add_argument("--nodes", type=int, default=1)
+    parser.add_argument("--devices-per-node", type=int, required=True)
+    parser.add_argument("--device-memory", required=True, help="per device, e.g. 80GB or 24GiB")
+    parser.add_argument("--seq-len", type=int, help="tokens per sample (default: data.init_args.seq_len)")
+    parser.add_argument("--micro-batch", type=int, help="samples per process per step (default: data.batch_size)")
+    parser.add_argument("--optimizer", choices=["adamw", "adam", "sgd_momentum", "sgd"], default="adamw")
+    parser.add_argument("--intra-node-gbps", type=float, default=200.0, help="GB/s between devices of a node")
+    parser.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s between nodes")
+    parser.add_argument("--device-tflops", type=float, default=400.0, help="peak dense TFLOP/s of one device")
+    parser.add_argument("--no-pipeline", action="store_true", help="only fsdp/tp/hsdp meshes")
+    parser.add_argument("--json", action="store_true", help="machine-readable output")
+    args = parser.parse_args(argv)
+
+    config = yaml.safe_load(Path(args.config).read_text()) or {}
+    model_cfg = config.get("model") or {}
+    data_args = (config.get("data") or {}).get("init_args", {})
+    trainer = config.get("trainer") or {}
+    strategy_args = (
+        (trainer.get("strategy") or {}).get("init_args", {}) if isinstance(trainer.get("strategy"), dict) else {}
+    )
+    if "class_path" not in model_cfg:
+        raise ConfigError(f"{args.config} has no model.class_path: plan reads the model from the run's config.")
+    module, _, name = model_cfg["class_path"].rpartition(".")
+    model_class = getattr(importlib.import_module(module), name)
+    with torch.device("meta"):
+        model = model_class(**(model_cfg.get("init_args") or {}))
+    seq_len = args.seq_len or data_args.get("seq_len")
+    micro_batch = args.micro_batch or data_args.get("batch_size")
+    if not seq_len or not micro_batch:
+        raise ConfigError(
+            "plan needs the sequence length and micro-batch: set data.init_args.seq_len/batch_size "
+            "in the config, or pass --seq-len and --micro-batch."
+        )
+    work = Workload(
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        optimizer=args.optimizer,
+        compute_bytes=2 if str(trainer.get("precision", "32")).startswith("bf16") else 4,
+        activation_checkpointing=strategy_args.get("activation_checkpointing", "none") not in ("none", 0, None),
+        accumulate=int(trainer.get("accumulate_grad_batches", 1)),
+    )
+    hw = Hardware(
+        args.nodes,
+        args.devices_per_node,
+        _bytes(args.device_memory),
+        args.intra_node_gbps,
+        args.inter_node_gbps,
+        args.device_tflops,
+    )
+    estimates, best, reason = plan(model, work, hw, pipeline=not args.no_pipeline)
+    if args.json:
+        print(
+            json.dumps(
+                {
+                    "workload": work.__dict__,
+                    "hardware": hw.__dict__,
+                    "estimates": [e.as_dict() for e in estimates],
+                    "recommended": best.as_dict() if best else None,
+                    "reason": reason,
+                },
+                indent=2,
+            )
+        )
+        return 0 if best else 1
+    params = sum(p.numel() for p in model.parameters())
+    title = (
+        f"{name}, {params / 1e9:.2f}B parameters, seq {seq_len} x micro-batch {micro_batch}, on {args.nodes} x "
+        f"{args.devices_per_node} devices of {gb(hw.device_memory)}"
+    )
+    table = Table(title=title)
+    for column in (
+        "mesh",
+        "schedule",
+        "params+grads+optim",
+        "activations",
+        "fsdp buffers",
+        "peak",
+        "fits",
+        "comm per step",
+        "est. step",
+    ):
+        table.add_column(column, justify="left" if column in ("mesh", "schedule", "comm per step") else "right")
+    for e in estimates:
+        marker = "[bold green]<- recommended[/]" if e is best else ("yes" if e.fits else "[red]no[/]")
+        comm = ", ".join(f"{axis} {gb(b)}" for axis, b in e.comm.items()) or "-"
+        table.add_row(
+            e.mesh,
+            e.schedule or "-",
+            gb(e.state),
+            gb(e.activations),
+            gb(e.gathered),
+            gb(e.peak),
+            marker,
+            comm,
+            f"{e.step_s:.3g} s",
+            f"{e.tokens_per_s:,.0f}",
+        )
+    console = Console(width=220)
+    console.print(table)
+    if best is not None:
+        reason = f"recommended: {best.mesh}{f' ({best.schedule})' if best.schedule else ''}: {reason}"
+    console.print(reason)
+    return 0 if best else 1
+
+
 TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "env": env_command,
     "plugins": plugins_command,
     "consolidate": consolidate_command,
+    "plan": plan_command,
 }
 
 

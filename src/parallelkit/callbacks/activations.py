@@ -14,7 +14,8 @@ from torch.distributed.tensor import DTensor
 class _SavedTensorLedger:
     """Counts bytes of distinct storages that autograd holds for backward, and their peak.
 
-    Parameters (leaf tensors that require grad) are left out: they live whether or not a step is in flight.
+    Parameters (leaf tensors that require grad) and views of them are left out: they live whether or not a step
+    is in flight.
     A storage saved twice (a weight used by many microbatches, a view of an activation) counts once.
     """
 
@@ -24,12 +25,14 @@ class _SavedTensorLedger:
         self._refs: Counter[tuple[int, int]] = Counter()
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        if tensor.is_leaf and tensor.requires_grad:
-            return tensor
+        base = tensor._base if tensor._base is not None else tensor
+        if base.is_leaf and base.requires_grad:
+            return tensor  # a parameter, or a view of one (a matmul saves `weight.t()`)
         local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # DTensors wrap a local shard
         try:
             storage = local.untyped_storage()
-            key = (storage.data_ptr(), storage.nbytes())
+            # The storage's own identity, not its address: meta tensors (the planner counts on them) all sit at 0.
+            key = (storage._cdata, storage.nbytes())
         except RuntimeError:  # another wrapper subclass without storage of its own: not counted
             return tensor
         if self._refs[key] == 0:

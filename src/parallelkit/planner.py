@@ -1,0 +1,433 @@
+"""The planner: per-device memory, communication and step time of every mesh, estimated from the model itself.
+
+The model is built on the meta device (no memory) and run forward once on a meta batch of one sample, with the
+saved-tensor ledger attributing the bytes autograd keeps to each pipeline layer; parameter counts, which of them
+tensor parallelism shards, and what tensor parallelism gathers come from the model's own `tp_plan`. Everything
+else is arithmetic on those counts, so a 70B configuration plans as fast as a toy one.
+
+Per rank (the most loaded pipeline stage), in bytes:
+- state: parameters (fp32), gradients (fp32), optimizer states (fp32; AdamW 2, SGD with momentum 1, SGD 0 per
+  parameter), each `(tp-sharded / tp + replicated) / fsdp`;
+- activations: the layers' saved bytes per sample x samples in flight (a pipeline stage holds GPipe: m, 1F1B:
+  pp - stage, interleaved: its warm-up count of microbatch chunks); under tp, / tp plus what sequence
+  parallelism gathers whole (the inputs of column-wise layers); under activation checkpointing, each unit keeps
+  only its input, plus one unit recomputed at a time;
+- gathered: FSDP's transient unsharded parameters, the root plus two units (the one running and the prefetch).
+`tensor_peak` = state + activations is what `RankMonitor` measures on CPU; `peak` adds the gathered buffers.
+
+Communication per optimizer step, logical bytes as `CommunicationMonitor` counts them: fsdp all-gathers
+(forward, and backward for units resharded after forward) and the gradient reduce-scatter; HSDP's replicate
+all-reduce; tp's activation collectives; pp's boundary activations and their gradients. The step time adds
+compute (6 FLOPs per parameter per token plus attention, at `mfu` of the device's peak, stretched by the
+pipeline bubble) to every axis's bytes over its link bandwidth, with no overlap assumed. Layouts are ranked by
+job-wide tokens per second among those that fit.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallelkit.errors import PlanError
+from parallelkit.mesh import MeshSpec
+
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
+"""fp32 states per parameter that each optimizer keeps."""
+
+SHARDING_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
+GATHERING_STYLES = ("colwise", "vocab_head")
+"""Styles whose input sequence parallelism all-gathers (and autograd then keeps whole)."""
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machines: `device_memory` in bytes, link bandwidths in GB/s, peak dense TFLOP/s per device."""
+
+    nodes: int
+    devices_per_node: int
+    device_memory: float
+    intra_node_gbps: float = 200.0
+    inter_node_gbps: float = 25.0
+    device_tflops: float = 400.0
+    mfu: float = 0.4
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.devices_per_node
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one step does: `micro_batch` samples of `seq_len` tokens per process (data.batch_size)."""
+
+    seq_len: int
+    micro_batch: int
+    optimizer: str = "adamw"
+    compute_bytes: int = 4  # 2 under bf16-mixed: activations and gathered parameters in bf16
+    activation_checkpointing: bool = False
+    accumulate: int = 1
+
+
+@dataclass
+class Layer:
+    """One pipeline layer, counted on the meta device (activation figures per sample at the workload's seq_len)."""
+
+    name: str
+    params: int
+    tp_sharded: int
+    activations: float
+    gathered_inputs: float
+    tp_traffic: float
+    output: float
+    unit: bool
+
+
+@dataclass
+class ModelProfile:
+    name: str
+    layers: list[Layer]
+    loss_activations: float
+    flops_per_token: float
+    valid_tp: dict[int, str] = field(default_factory=dict)
+    """tp degree -> "" when the model's plan allows it, else the reason."""
+
+    @property
+    def params(self) -> int:
+        return sum(layer.params for layer in self.layers)
+
+
+@dataclass
+class Estimate:
+    mesh: str
+    schedule: str | None
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    gathered: float
+    comm: dict[str, float]
+    step_s: float
+    tokens_per_s: float = 0.0
+    """Job-wide: every data-parallel replica's tokens per estimated step time (what layouts compete on: at the
+    same micro-batch per process, a layout with more replicas does more work per step)."""
+    fits: bool = False
+
+    @property
+    def state(self) -> float:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def tensor_peak(self) -> float:
+        return self.state + self.activations
+
+    @property
+    def peak(self) -> float:
+        return self.tensor_peak + self.gathered
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "state": self.state, "tensor_peak": self.tensor_peak, "peak": self.peak}
+
+
+class _FlashOnMeta(torch.overrides.TorchFunctionMode):
+    """Meta tensors pick SDPA's math path, which keeps the T x T attention matrix; real runs use a flash kernel
+    that keeps q, k, v, the output and the log-sum-exp. Count what real runs keep."""
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if func is torch.nn.functional.scaled_dot_product_attention and kwargs.get("attn_mask") is None:
+            q, k, v = args[:3]
+            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                q, k, v, 0.0, bool(kwargs.get("is_causal", False)), scale=kwargs.get("scale")
+            )[0]
+        return func(*args, **kwargs)
+
+
+def _nbytes(x: Any) -> float:
+    if isinstance(x, torch.Tensor):
+        return float(x.numel() * x.element_size())
+    if isinstance(x, (tuple, list)):
+        return sum(_nbytes(v) for v in x)
+    return 0.0
+
+
+def profile(
+    model: nn.Module, seq_len: int, tp_degrees: Iterable[int] = (1,), vocab_size: int | None = None
+) -> ModelProfile:
+    """Count `model` (on the meta device) per pipeline layer, running one meta forward of one sample."""
+    from parallelkit.callbacks.activations import _SavedTensorLedger
+    from parallelkit.plan import fsdp_units, pipeline_layer_names, select, tensor_parallel_plan
+
+    declared = getattr(model, "pipeline_layers", None)
+    names = pipeline_layer_names(model) if declared else []
+    units = {fqn for fqn, _ in fsdp_units(model)}
+    sharded: set[int] = set()
+    gathering: list[nn.Module] = []
+    tp_modules: list[tuple[nn.Module, str]] = []
+    for pattern, style in (getattr(model, "tp_plan", None) or {}).items():
+        for _, module in select(model, [pattern], "tp_plan"):
+            if style in SHARDING_STYLES:
+                sharded.update(id(p) for p in module.parameters())
+            if style in GATHERING_STYLES:
+                gathering.append(module)
+            if style in ("colwise", "rowwise", "vocab_embedding", "vocab_head"):
+                tp_modules.append((module, style))
+
+    ledger = _SavedTensorLedger()
+    marks: dict[str, list[float]] = {}
+    gathered: dict[int, float] = {}
+    traffic: dict[int, float] = {}
+    outputs: dict[str, float] = {}
+    handles = []
+
+    def enter(name: str) -> Any:
+        return lambda module, args: marks.__setitem__(name, [ledger.live])
+
+    def leave(name: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any) -> None:
+            marks[name].append(ledger.live)
+            outputs[name] = _nbytes(output)
+
+        return hook
+
+    def record(into: dict[int, float], what: str) -> Any:
+        def hook(module: nn.Module, args: Any, output: Any = None) -> None:
+            into[id(module)] = _nbytes(args if what == "input" else output)
+
+        return hook
+
+    for name in names:
+        layer = model.get_submodule(name)
+        handles += [layer.register_forward_pre_hook(enter(name)), layer.register_forward_hook(leave(name))]
+    for module in gathering:
+        handles.append(module.register_forward_pre_hook(record(gathered, "input")))
+    for module, style in tp_modules:
+        # Sequence parallelism gathers a column-wise layer's input and reduce-scatters a row-wise layer's output.
+        if style in GATHERING_STYLES:
+            handles.append(module.register_forward_pre_hook(record(traffic, "input")))
+        else:
+            handles.append(module.register_forward_hook(record(traffic, "output")))
+    embeddings = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = vocab_size or (embeddings[0] if embeddings else 2)
+    tokens = torch.randint(0, vocab, (1, seq_len), device="meta")
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack), _FlashOnMeta():
+            output = model(tokens)
+            before_loss = ledger.live
+            loss_fn = getattr(model, "pipeline_loss", None)
+            if loss_fn is not None:
+                loss_fn(output, tokens)
+    finally:
+        for handle in handles:
+            handle.remove()
+    loss_activations = ledger.live - before_loss
+
+    layers = []
+    for name in names or [""]:
+        module = model.get_submodule(name) if name else model
+        members = {id(m) for m in module.modules()}
+        params = list(module.parameters())
+        start, end = marks.get(name, [0.0, before_loss])[:2] if name else (0.0, before_loss)
+        layers.append(
+            Layer(
+                name=name or type(model).__name__,
+                params=sum(p.numel() for p in params),
+                tp_sharded=sum(p.numel() for p in params if id(p) in sharded),
+                activations=end - start,
+                gathered_inputs=sum(v for k, v in gathered.items() if k in members),
+                tp_traffic=sum(v for k, v in traffic.items() if k in members),
+                output=outputs.get(name, 0.0),
+                unit=name in units,
+            )
+        )
+    valid: dict[int, str] = {}
+    for tp in tp_degrees:
+        try:
+            if tp > 1:
+                tensor_parallel_plan(model, tp)
+            valid[tp] = ""
+        except PlanError as err:
+            valid[tp] = str(err)
+    flops = getattr(model, "flops_per_token", None)
+    flops_per_token = flops(seq_len) if callable(flops) else 6.0 * sum(layer.params for layer in layers)
+    return ModelProfile(type(model).__name__, layers, loss_activations, flops_per_token, valid)
+
+
+def _in_flight(schedule: str | None, pp: int, stage: int, microbatches: int, virtual: int) -> float:
+    """Microbatches' worth of this stage's activations alive at once (a fraction for interleaved chunks)."""
+    match schedule:
+        case None:
+            return 1.0
+        case "gpipe":
+            return float(microbatches)
+        case "1f1b":
+            return float(min(microbatches, pp - stage))
+        case "interleaved_1f1b":
+            chunks = min(microbatches * virtual, (pp - 1 - stage) * 2 + (virtual - 1) * pp + 1)
+            return chunks / virtual
+    raise PlanError(f"unknown schedule {schedule!r}")
+
+
+def estimate(
+    prof: ModelProfile,
+    spec: MeshSpec,
+    work: Workload,
+    hw: Hardware,
+    schedule: str | None = None,
+    microbatches: int | None = None,
+    stages: list[list[Layer]] | None = None,
+) -> Estimate:
+    """Per-device memory, communication and step time of `spec` (resolved) for this workload: the figures of
+    its most loaded rank. `stages`: the pipeline stages in order (pp x virtual of them; rank r holds stages
+    r, r + pp, ...)."""
+    pp, rep, fsdp, tp = (spec.size(a) for a in ("pp", "replicate", "fsdp", "tp"))
+    stages = stages or [prof.layers]
+    v = len(stages) // pp
+    m = microbatches or (2 * pp if pp > 1 else 1)
+    samples = work.micro_batch / (m if pp > 1 else 1)
+    cb = work.compute_bytes / 4  # the ledger counted fp32 activations
+    states = OPTIMIZER_STATES[work.optimizer]
+
+    def local_params(layers: Iterable[Layer]) -> float:
+        return sum(layer.tp_sharded / tp + layer.params - layer.tp_sharded for layer in layers)
+
+    def activations(layer: Layer) -> float:
+        if work.activation_checkpointing and layer.unit:
+            return layer.output * cb / tp  # only the unit's input (the previous unit's output) is kept
+        if tp == 1:
+            return layer.activations * cb
+        return layer.activations * cb / tp + layer.gathered_inputs * cb * (1 - 1 / tp)
+
+    worst: Estimate | None = None
+    slowest = 0.0
+    for rank in range(pp):
+        mine = [(i, stage) for i, stage in enumerate(stages) if i % pp == rank]
+        layers = [layer for _, stage in mine for layer in stage]
+        tp_params = local_params(layers)
+        shard = tp_params / fsdp
+        in_flight = _in_flight(schedule if pp > 1 else None, pp, rank, m, v)
+        acts = sum(activations(layer) for layer in layers) * in_flight * samples
+        if work.activation_checkpointing:  # one unit at a time is recomputed whole in backward
+            acts += max((layer.activations * cb / tp for layer in layers if layer.unit), default=0.0) * samples
+        if any(i == len(stages) - 1 for i, _ in mine):
+            acts += prof.loss_activations * cb * samples
+        units = [local_params([layer]) for layer in layers if layer.unit]
+        gathered = 0.0 if fsdp == 1 else (tp_params - sum(units) + 2 * max(units, default=0.0)) * work.compute_bytes
+        comm: dict[str, float] = {}
+        if fsdp > 1:
+            # Default resharding re-gathers every unit but the last in backward; pipelines keep them gathered.
+            regathered = 0.0 if pp > 1 else sum(units[:-1])
+            comm["fsdp"] = (tp_params + regathered) * work.compute_bytes * work.accumulate + tp_params * 4
+        if rep > 1:
+            comm["replicate"] = shard * 4
+        if tp > 1:
+            comm["tp"] = 2 * sum(layer.tp_traffic for layer in layers) * cb * work.micro_batch * work.accumulate
+        if pp > 1:
+            sent = sum(stage[-1].output for i, stage in mine if i < len(stages) - 1)
+            comm["pp"] = 2 * sent * cb * work.micro_batch * work.accumulate
+        tokens = work.micro_batch * work.seq_len * work.accumulate
+        share = sum(layer.params for layer in layers) / max(prof.params, 1)
+        compute = prof.flops_per_token * share * tokens / tp / (hw.device_tflops * 1e12 * hw.mfu)
+        if pp > 1:
+            compute /= 1 - (pp - 1) / (v * m + pp - 1)
+        seconds = compute + sum(b / (_bandwidth(spec, axis, hw) * 1e9) for axis, b in comm.items())
+        slowest = max(slowest, seconds)
+        e = Estimate(str(spec), schedule, shard * 4, shard * 4, shard * 4 * states, acts, gathered, comm, seconds)
+        if worst is None or e.peak > worst.peak:
+            worst = e
+    worst.step_s = slowest
+    worst.tokens_per_s = work.micro_batch * work.seq_len * work.accumulate * rep * fsdp / slowest
+    worst.fits = worst.peak <= hw.device_memory
+    return worst
+
+
+def _bandwidth(spec: MeshSpec, axis: str, hw: Hardware) -> float:
+    """GB/s of `axis`: inside a node when the axis and every axis inside it fit in one node's devices."""
+    inner = math.prod(spec.sizes[spec.names.index(axis) :])
+    return hw.intra_node_gbps if inner <= hw.devices_per_node else hw.inter_node_gbps
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def candidates(
+    prof: ModelProfile, hw: Hardware, work: Workload, pipeline: bool = True
+) -> list[tuple[MeshSpec, str | None]]:
+    """Every mesh (and pipeline schedule) the model and the machines allow: tp inside a node and allowed by the
+    model's plan, pp no deeper than its pipeline layers with whole microbatches, the rest fsdp, or HSDP (shard
+    within a node, replicate across nodes)."""
+    found: list[tuple[MeshSpec, str | None]] = []
+    world = hw.world_size
+    for tp in _divisors(hw.devices_per_node):
+        if prof.valid_tp.get(tp, "") != "":
+            continue
+        for pp in _divisors(world // tp) if pipeline else [1]:
+            if pp > 1 and (
+                len(prof.layers) < pp or work.micro_batch % min(2 * pp, work.micro_batch) or work.micro_batch < pp
+            ):
+                continue
+            dp = world // (tp * pp)
+            layouts = [(1, dp)]
+            per_node = hw.devices_per_node // tp if pp == 1 else 0
+            if hw.nodes > 1 and per_node and dp % per_node == 0 and dp // per_node > 1:
+                layouts.append((dp // per_node, per_node))
+            for rep, fsdp in layouts:
+                sizes = [s for s in (pp, rep, fsdp, tp)]
+                names = ["pp", "replicate", "fsdp", "tp"]
+                keep = [i for i, (s, n) in enumerate(zip(sizes, names)) if s > 1 or n in ("fsdp", "tp")]
+                spec = MeshSpec(tuple(sizes[i] for i in keep), tuple(names[i] for i in keep))
+                for schedule in ["1f1b", "interleaved_1f1b"] if pp > 1 else [None]:
+                    if schedule == "interleaved_1f1b" and len(prof.layers) < 2 * pp:
+                        continue
+                    found.append((spec, schedule))
+    return found
+
+
+def plan(
+    model: nn.Module, work: Workload, hw: Hardware, pipeline: bool = True
+) -> tuple[list[Estimate], Estimate | None, str]:
+    """Every candidate's estimate (cheapest first), the recommendation, and the one-line reason."""
+    from parallelkit.plan import split_stages
+
+    prof = profile(model, work.seq_len, _divisors(hw.devices_per_node))
+    estimates = []
+    by_name = {layer.name: layer for layer in prof.layers}
+    for spec, schedule in candidates(prof, hw, work, pipeline):
+        pp = spec.size("pp")
+        v = 2 if schedule == "interleaved_1f1b" else 1
+        stages = None
+        if pp > 1:
+            names = split_stages(model, [layer.name for layer in prof.layers], pp * v)
+            stages = [[by_name[n] for n in stage] for stage in names]
+        m = min(2 * pp, work.micro_batch) if pp > 1 else None
+        estimates.append(estimate(prof, spec, work, hw, schedule, m, stages))
+    estimates.sort(key=lambda e: (not e.fits, -e.tokens_per_s, e.peak))
+    fitting = [e for e in estimates if e.fits]
+    if not fitting:
+        best = min(estimates, key=lambda e: e.peak)
+        over = best.peak - hw.device_memory
+        return (
+            estimates,
+            None,
+            (
+                f"no layout fits: the smallest per-device peak is {gb(best.peak)} ({best.mesh}"
+                f"{', ' + best.schedule if best.schedule else ''}), {gb(over)} over the {gb(hw.device_memory)} device "
+                f"({best.peak / hw.device_memory:.2f}x). Fix: more devices, activation checkpointing, a smaller "
+                "micro-batch or sequence, or a smaller model."
+            ),
+        )
+    best = fitting[0]
+    runner_up = next((e for e in fitting[1:] if e.mesh != best.mesh or e.schedule != best.schedule), None)
+    reason = f"fits in {gb(best.peak)} of {gb(hw.device_memory)} per device with the highest estimated throughput"
+    reason += f" ({best.tokens_per_s:,.0f} tokens/s"
+    reason += f" vs {runner_up.tokens_per_s:,.0f} for {runner_up.mesh})" if runner_up else ")"
+    return estimates, best, reason
+
+
+def gb(nbytes: float) -> str:
+    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"

@@ -1,0 +1,101 @@
+"""`parallelkit plan`: estimates held to measurements on CPU and to hand arithmetic for sizes no machine here runs."""
+
+import json
+
+import pytest
+import torch
+from conftest import REPO, assert_ok, common, fit, parallelkit, step_losses
+
+from parallelkit.mesh import MeshSpec
+from parallelkit.models import GPT
+from parallelkit.plan import split_stages
+from parallelkit.planner import Hardware, Workload, estimate, plan, profile
+
+GPT70B = {"vocab_size": 32000, "n_layer": 80, "n_head": 64, "n_embd": 8192}
+
+
+def reference_gpt_on_meta() -> GPT:
+    with torch.device("meta"):
+        return GPT(n_layer=2, n_head=4, n_embd=64)  # the configs' model
+
+
+@pytest.mark.parametrize(
+    ("config", "overrides", "mesh", "micro_batch", "schedule"),
+    [
+        (
+            "hybrid.yaml",
+            ['--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]', "--data.init_args.batch_size=2"],
+            '[[4, 1], ["fsdp", "tp"]]',
+            2,
+            None,
+        ),
+        ("hybrid.yaml", [], '[[2, 2], ["fsdp", "tp"]]', 4, None),
+        ("1f1b.yaml", [], '[[2, 1, 1], ["pp", "fsdp", "tp"]]', 8, "1f1b"),
+    ],
+)
+def test_estimated_peak_is_within_20_percent_of_the_memory_monitor(
+    tmp_path, corpus, config, overrides, mesh, micro_batch, schedule
+):
+    assert_ok(fit(config, tmp_path, *common(corpus, tmp_path / "cache", steps=3), *overrides))
+    measured = max(step_losses(tmp_path, "memory/peak_mb").values()) * 2**20  # RankMonitor, largest rank
+
+    model = reference_gpt_on_meta()
+    prof = profile(model, seq_len=64, tp_degrees=(1, 2))
+    spec = MeshSpec.parse(mesh)
+    stages = None
+    if spec.size("pp") > 1:
+        by_name = {layer.name: layer for layer in prof.layers}
+        stages = [[by_name[n] for n in s] for s in split_stages(model, [x.name for x in prof.layers], spec.size("pp"))]
+    e = estimate(prof, spec, Workload(64, micro_batch), Hardware(1, 4, 1e12), schedule, 4 if schedule else None, stages)
+    assert e.tensor_peak == pytest.approx(measured, rel=0.2), (e.as_dict(), measured)
+
+
+def test_70b_on_four_nodes_of_eight_80gb_devices_recommends_a_layout_that_fits():
+    with torch.device("meta"):
+        model = GPT(**GPT70B)
+    params = sum(p.numel() for p in model.parameters())
+    # Hand arithmetic: 80 blocks of 12 d^2 weights + 2 d norms; embedding and head V d each; a final norm.
+    d, v = 8192, 32000
+    assert params == 80 * (12 * d * d + 2 * d) + 2 * v * d + d
+    norms = 80 * 2 * d + d  # tp replicates norms and shards every matrix
+    work, hw = Workload(seq_len=4096, micro_batch=8, compute_bytes=2), Hardware(4, 8, 80e9)
+    estimates, best, reason = plan(model, work, hw)
+    assert best is not None and best.fits and best.peak <= 80e9 and "fits in" in reason
+    by_mesh = {(e.mesh, e.schedule): e for e in estimates}
+    for fsdp, tp in ((32, 1), (4, 8)):
+        e = by_mesh[(str(MeshSpec((fsdp, tp), ("fsdp", "tp"))), None)]
+        shard = ((params - norms) / tp + norms) / fsdp
+        assert e.params == pytest.approx(4 * shard, rel=1e-12)  # fp32 weights
+        assert e.grads == pytest.approx(4 * shard, rel=1e-12)
+        assert e.optimizer == pytest.approx(8 * shard, rel=1e-12)  # AdamW: two fp32 moments
+    assert not by_mesh[('[[32, 1], ["fsdp", "tp"]]', None)].fits  # 820 GB of activations without tp or pp
+
+
+def test_plan_command_prints_every_mesh_and_the_recommendation(tmp_path):
+    args = ["plan", "--config", str(REPO / "configs" / "gpt70b.yaml"), "--nodes", "4", "--devices-per-node", "8"]
+    table = parallelkit(*args, "--device-memory", "80GB", cwd=tmp_path)
+    assert_ok(table)
+    assert "recommended: " in table.stdout and "<- recommended" in table.stdout
+    for mesh in ('[[32, 1], ["fsdp", "tp"]]', '[[4, 1, 8], ["replicate", "fsdp", "tp"]]', '["pp", "fsdp", "tp"]'):
+        assert mesh in table.stdout
+    proc = parallelkit(*args, "--device-memory", "80GB", "--json", cwd=tmp_path)
+    assert_ok(proc)
+    report = json.loads(proc.stdout)
+    assert report["recommended"]["fits"] and report["recommended"]["peak"] <= 80e9
+    assert report["recommended"]["mesh"] in table.stdout
+
+
+def test_a_model_that_fits_nowhere_says_by_how_much(tmp_path):
+    proc = parallelkit(
+        "plan",
+        "--config",
+        str(REPO / "configs" / "gpt70b.yaml"),
+        "--devices-per-node",
+        "8",
+        "--device-memory",
+        "16GB",
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert "no layout fits: the smallest per-device peak is" in proc.stdout
+    assert "over the 16.00 GB device" in proc.stdout
