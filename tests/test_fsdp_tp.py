@@ -164,3 +164,28 @@ def test_optimizer_from_the_command_line_steps_the_sharded_parameters(tmp_path, 
     assert_ok(fit("single.yaml", tmp_path / "single", *sgd))
     assert_ok(fit("hybrid.yaml", tmp_path / "hybrid", *sgd))
     assert_same_losses(step_losses(tmp_path / "single"), step_losses(tmp_path / "hybrid"))
+
+
+def test_auto_mesh_takes_the_planners_layout_and_keeps_parity(tmp_path, corpus):
+    proc = fit(
+        "hybrid.yaml",
+        tmp_path / "auto",
+        *common(corpus, tmp_path / "cache", steps=6),
+        "--trainer.strategy.mesh_shape=auto",
+    )
+    assert_ok(proc)
+    line = next(line for line in (proc.stdout + proc.stderr).splitlines() if "mesh_shape='auto' -> " in line)
+    mesh = json.loads(line.split("-> ", 1)[1].split(":", 1)[0])
+    assert "highest estimated throughput" in line
+    dp = 1
+    for size, axis in zip(*mesh):
+        dp *= size if axis in ("replicate", "fsdp") else 1
+    # The same global batch in one process: hybrid.yaml's 4 per data-parallel rank.
+    single = fit(
+        "single.yaml",
+        tmp_path / "single",
+        *common(corpus, tmp_path / "cache", steps=6),
+        f"--data.init_args.batch_size={4 * dp}",
+    )
+    assert_ok(single)
+    assert_same_losses(step_losses(tmp_path / "single"), step_losses(tmp_path / "auto"))

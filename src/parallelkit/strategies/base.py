@@ -140,6 +140,10 @@ class ParallelkitStrategy(ModelParallelStrategy):
         """What `mesh_shape="auto"` means: every process shards (fully sharded data parallel)."""
         return [[-1], ["fsdp"]]
 
+    def planned_mesh(self) -> MeshSpec | None:
+        """The mesh `mesh_shape="auto"` resolves to once the model is known; None keeps `auto_mesh`'s."""
+        return None
+
     def _full_spec(self, spec: MeshSpec) -> MeshSpec:
         """`spec` with every required axis present, so code can always index `mesh["tp"]`, `mesh["fsdp"]`."""
         sizes = dict(zip(spec.names, spec.sizes))
@@ -149,6 +153,10 @@ class ParallelkitStrategy(ModelParallelStrategy):
     # -- process groups --------------------------------------------------------------------------------------
     def setup_environment(self) -> None:
         self._setup_distributed()
+        if self.mesh_shape == "auto":
+            planned = self.planned_mesh()
+            if planned is not None:
+                self.mesh_spec = self._full_spec(planned.resolve(self.num_nodes, self.num_processes))
         self._device_mesh = self.mesh_spec.build(self.root_device.type)
         # The escape hatch: a model that overrides configure_model() parallelises itself with this mesh.
         self.lightning_module._device_mesh = self._device_mesh

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
+import torch
 from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
+from parallelkit.mesh import MeshSpec
 from parallelkit.plan import parallelize
 from parallelkit.strategies.base import MeshShape, ParallelkitStrategy
 
@@ -20,7 +24,9 @@ class FSDPTPStrategy(ParallelkitStrategy):
 
     Args:
         mesh_shape: Sizes then axis names, outer to inner, e.g. `[[2, 2], ["fsdp", "tp"]]` (one size may be -1:
-            the rest of the world). Axes: replicate, fsdp, tp. "auto": every process shards.
+            the rest of the world). Axes: replicate, fsdp, tp. "auto": the layout `parallelkit plan` recommends
+            for this model, data and machine (logged at start; every process shards if the model cannot be
+            planned).
         reshard_after_forward: "default" (free gathered weights after each block's forward, except the last
             block and the root, which backward needs first), "always", or "never" (keep them: more memory,
             one all-gather fewer per block and step).
@@ -47,9 +53,61 @@ class FSDPTPStrategy(ParallelkitStrategy):
         else:
             parallelize(self.model, self.device_mesh, **self.parallelize_options())
 
+    def planned_mesh(self) -> MeshSpec | None:
+        """`parallelkit plan`'s recommendation among fsdp/tp/hsdp meshes, decided on rank 0 and broadcast (every
+        rank must build the same mesh, even on nodes whose memory differs)."""
+        choice = [None]
+        if self.global_rank == 0:
+            choice[0] = self._plan_on_rank_zero()
+        torch.distributed.broadcast_object_list(choice, src=0)
+        return MeshSpec.parse(choice[0]) if choice[0] else None
+
+    def _plan_on_rank_zero(self) -> str | None:
+        from parallelkit.planner import Hardware, Workload, plan
+
+        model, data = self.lightning_module, getattr(self.lightning_module.trainer, "datamodule", None)
+        seq_len, batch = getattr(data, "seq_len", None), getattr(data, "batch_size", None)
+        try:
+            with torch.device("meta"):
+                # LightningCLI records `_class_path` and the like among hparams: not constructor arguments.
+                meta = type(model)(**{k: v for k, v in model.hparams.items() if not k.startswith("_")})
+        except Exception as err:  # noqa: BLE001 - a model the planner cannot rebuild keeps the default mesh
+            rank_zero_warn(
+                f"mesh_shape='auto': cannot rebuild {type(model).__name__} from its hparams on the meta "
+                f"device to plan it ({err}); every process shards."
+            )
+            return None
+        if not seq_len or not batch:
+            rank_zero_warn(
+                "mesh_shape='auto': the datamodule states no seq_len/batch_size to plan for; every process shards."
+            )
+            return None
+        if self.root_device.type == "cuda":
+            memory, hw = torch.cuda.get_device_properties(self.root_device).total_memory, {}
+        else:  # processes share the machine's memory; gloo moves a few GB/s, a core computes ~0.1 TFLOP/s
+            memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / self.num_processes
+            hw = {"intra_node_gbps": 5.0, "inter_node_gbps": 1.0, "device_tflops": 0.1}
+        precision = self.precision_plugin.param_dtype
+        work = Workload(
+            seq_len=seq_len,
+            micro_batch=batch,
+            compute_bytes=2 if precision == torch.bfloat16 else 4,
+            activation_checkpointing=self.activation_checkpointing not in ("none", 0),
+            accumulate=self.lightning_module.trainer.accumulate_grad_batches,
+        )
+        _, best, reason = plan(meta, work, Hardware(self.num_nodes, self.num_processes, memory, **hw), pipeline=False)
+        if best is None:
+            rank_zero_warn(f"mesh_shape='auto': {reason} Trying every process sharding.")
+            return None
+        rank_zero_info(f"mesh_shape='auto' -> {best.mesh}: {reason}")
+        return best.mesh
+
 
 class HSDPStrategy(FSDPTPStrategy):
     """FSDPTPStrategy whose "auto" mesh replicates across nodes and shards within each node (HSDP)."""
+
+    def planned_mesh(self) -> MeshSpec | None:
+        return None  # HSDP by name: auto_mesh's replicate x fsdp
 
     def auto_mesh(self, num_nodes: int, devices: int) -> MeshShape:
         return [[num_nodes, devices], ["replicate", "fsdp"]]
