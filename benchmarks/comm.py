@@ -19,7 +19,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from harness import StepClock, accelerator, chart, in_worker, launch, machine, summarise, write
+from harness import StepClock, chart, forward, in_worker, launch, machine, quiet_trainer, summarise, write
 
 from parallelkit import FSDPTPStrategy
 from parallelkit.callbacks import CommunicationMonitor
@@ -46,20 +46,9 @@ def run(args: argparse.Namespace, hook: str, accumulate: int) -> dict[str, Any]:
     L.seed_everything(0, verbose=False)
     clock, log = StepClock(), CommLog()
     world = dist.get_world_size()
-    trainer = L.Trainer(
-        accelerator=accelerator(),
-        devices=world,
-        strategy=FSDPTPStrategy(mesh_shape=[[world], ["fsdp"]], comm_precision=hook),
-        accumulate_grad_batches=accumulate,
-        max_steps=args.warmup + args.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[clock, CommunicationMonitor(), log],
-    )
+    strategy = FSDPTPStrategy(mesh_shape=[[world], ["fsdp"]], comm_precision=hook)
+    callbacks = [clock, CommunicationMonitor(), log]
+    trainer = quiet_trainer(strategy, args.warmup + args.steps, callbacks, accumulate_grad_batches=accumulate)
     model = GPT(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     samples = (args.warmup + args.steps + 1) * accumulate * args.batch_size * world
     trainer.fit(model, SyntheticDataModule(seq_len=args.seq_len, batch_size=args.batch_size, num_samples=samples))
@@ -113,12 +102,8 @@ def main() -> None:
         worker(args)
         return
     out = Path("/tmp/parallelkit-bench-comm.json")
-    forward = ["--hooks", *args.hooks, "--accumulate", *map(str, args.accumulate)]
-    forward += [
-        f"--{n.replace('_', '-')}={getattr(args, n)}"
-        for n in ("steps", "warmup", "batch_size", "n_layer", "n_head", "n_embd", "seq_len")
-    ]
-    launch(__file__, args.nproc, forward, out)
+    names = ("steps", "warmup", "batch_size", "n_layer", "n_head", "n_embd", "seq_len")
+    launch(__file__, args.nproc, forward(args, names, lists=("hooks", "accumulate")), out)
     runs = json.loads(out.read_text())
     write("comm", {"machine": machine(), "command": "python benchmarks/comm.py", "args": vars(args), "runs": runs})
     gradient_bytes = ("comm/reduce_scatter_bytes", "comm/all_to_all_bytes")

@@ -76,6 +76,34 @@ def synchronize() -> None:
         torch.cuda.synchronize()
 
 
+def quiet_trainer(strategy: Any, steps: int, callbacks: list[L.Callback], **kwargs: Any) -> L.Trainer:
+    """A Trainer on every local process of the job, with nothing but training and the given callbacks."""
+    import torch.distributed as dist
+
+    return L.Trainer(
+        accelerator=accelerator(),
+        devices=dist.get_world_size(),
+        strategy=strategy,
+        max_steps=steps,
+        limit_val_batches=0,
+        num_sanity_val_steps=0,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        callbacks=callbacks,
+        **kwargs,
+    )
+
+
+def forward(args: Any, names: Sequence[str], lists: Sequence[str] = ()) -> list[str]:
+    """The launcher's options, as the command-line flags its workers parse again (`lists`: nargs="+" options)."""
+    flags: list[str] = []
+    for name in lists:
+        flags += [f"--{name.replace('_', '-')}", *map(str, getattr(args, name))]
+    return flags + [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in names]
+
+
 class StepClock(L.Callback):
     """Wall time between the ends of consecutive optimizer steps: the step period a user sees, loop included."""
 

@@ -21,7 +21,7 @@ from typing import Any
 import lightning as L
 import torch
 import torch.distributed as dist
-from harness import StepClock, accelerator, chart, in_worker, launch, machine, summarise, write
+from harness import StepClock, chart, forward, in_worker, launch, machine, quiet_trainer, summarise, write
 
 from parallelkit import PipelineStrategy
 from parallelkit.callbacks import ActivationMemoryMonitor
@@ -49,24 +49,10 @@ def run(args: argparse.Namespace, schedule: str, microbatches: int) -> dict[str,
     L.seed_everything(0, verbose=False)
     clock, bubbles, activations = StepClock(), BubbleLog(), ActivationMemoryMonitor()
     batch = microbatches * args.microbatch_size
-    trainer = L.Trainer(
-        accelerator=accelerator(),
-        devices=dist.get_world_size(),
-        strategy=PipelineStrategy(
-            mesh_shape=[[dist.get_world_size()], ["pp"]],
-            schedule=schedule,
-            microbatches=microbatches,
-            schedule_stats=True,
-        ),
-        max_steps=args.warmup + args.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[clock, bubbles, activations],
+    strategy = PipelineStrategy(
+        mesh_shape=[[dist.get_world_size()], ["pp"]], schedule=schedule, microbatches=microbatches, schedule_stats=True
     )
+    trainer = quiet_trainer(strategy, args.warmup + args.steps, [clock, bubbles, activations])
     model = GPT(n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd)
     data = SyntheticDataModule(
         seq_len=args.seq_len, batch_size=batch, num_samples=(args.warmup + args.steps + 1) * batch
@@ -131,15 +117,8 @@ def main() -> None:
         worker(args)
         return
     out = Path("/tmp/parallelkit-bench-pipeline.json")
-    forward = [
-        "--microbatches",
-        *map(str, args.microbatches),
-        *(
-            f"--{n.replace('_', '-')}={getattr(args, n)}"
-            for n in ("microbatch_size", "repeats", "steps", "warmup", "n_layer", "n_head", "n_embd", "seq_len")
-        ),
-    ]
-    launch(__file__, args.nproc, forward, out)
+    names = ("microbatch_size", "repeats", "steps", "warmup", "n_layer", "n_head", "n_embd", "seq_len")
+    launch(__file__, args.nproc, forward(args, names, lists=("microbatches",)), out)
     runs = json.loads(out.read_text())
     result = {"machine": machine(), "command": "python benchmarks/pipeline.py", "args": vars(args), "runs": runs}
     write("pipeline", result)

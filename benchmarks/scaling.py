@@ -17,7 +17,7 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.distributed as dist
-from harness import StepClock, accelerator, chart, in_worker, launch, machine, summarise, write
+from harness import StepClock, chart, forward, in_worker, launch, machine, quiet_trainer, summarise, write
 
 from parallelkit import FSDPTPStrategy, MeshSpec
 from parallelkit.callbacks import RankMonitor
@@ -29,19 +29,8 @@ def run(args: argparse.Namespace, layout: str, n_embd: int, n_layer: int) -> dic
     L.seed_everything(0, verbose=False)
     spec = MeshSpec.parse(layout).resolve(1, dist.get_world_size())
     clock = StepClock()
-    trainer = L.Trainer(
-        accelerator=accelerator(),
-        devices=dist.get_world_size(),
-        strategy=FSDPTPStrategy(mesh_shape=layout),
-        max_steps=args.warmup + args.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        log_every_n_steps=1,
-        callbacks=[clock, RankMonitor()],
+    trainer = quiet_trainer(
+        FSDPTPStrategy(mesh_shape=layout), args.warmup + args.steps, [clock, RankMonitor()], log_every_n_steps=1
     )
     model = GPT(n_layer=n_layer, n_head=n_embd // 32, n_embd=n_embd)
     params = sum(p.numel() for p in model.parameters())
@@ -83,9 +72,8 @@ def main() -> None:
         worker(args)
         return
     out = Path("/tmp/parallelkit-bench-scaling.json")
-    forward = ["--sizes", *args.sizes, "--layouts", *args.layouts]
-    forward += [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in ("steps", "warmup", "seq_len", "global_batch")]
-    launch(__file__, args.nproc, forward, out)
+    names = ("steps", "warmup", "seq_len", "global_batch")
+    launch(__file__, args.nproc, forward(args, names, lists=("sizes", "layouts")), out)
     runs = json.loads(out.read_text())
     write(
         "scaling", {"machine": machine(), "command": "python benchmarks/scaling.py", "args": vars(args), "runs": runs}

@@ -29,10 +29,12 @@ from harness import (
     StepClock,
     accelerator,
     chart,
+    forward,
     in_worker,
     launch,
     machine,
     peak_memory_mb,
+    quiet_trainer,
     reset_peak_memory,
     summarise,
     synchronize,
@@ -102,22 +104,6 @@ def data(args: argparse.Namespace, dp: int) -> SyntheticDataModule:
     )
 
 
-def trainer(args: argparse.Namespace, strategy, clock: StepClock) -> L.Trainer:
-    return L.Trainer(
-        accelerator=accelerator(),
-        devices=dist.get_world_size(),
-        strategy=strategy,
-        max_steps=args.warmup + args.steps,
-        limit_val_batches=0,
-        num_sanity_val_steps=0,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        callbacks=[clock],
-    )
-
-
 def run_lightning(args: argparse.Namespace, spec: MeshSpec, variant: str) -> list[float]:
     L.seed_everything(0, verbose=False)
     clock = StepClock()
@@ -126,7 +112,7 @@ def run_lightning(args: argparse.Namespace, spec: MeshSpec, variant: str) -> lis
     else:
         model = HandWrittenGPT(**model_kwargs(args))
         strategy = ModelParallelStrategy(data_parallel_size=spec.dp_size, tensor_parallel_size=spec.size("tp"))
-    trainer(args, strategy, clock).fit(model, data(args, spec.dp_size))
+    quiet_trainer(strategy, args.warmup + args.steps, [clock]).fit(model, data(args, spec.dp_size))
     return clock.times[args.warmup - 1 :]
 
 
@@ -215,7 +201,8 @@ def main() -> None:
     results = {"machine": machine(), "command": "python benchmarks/strategies.py", "args": vars(args), "layouts": {}}
     for layout in args.layouts:
         out = Path(f"/tmp/parallelkit-bench-{abs(hash(layout))}.json")
-        launch(__file__, args.nproc, [f"--layout={layout}", *_forward(args)], out)
+        names = ("repeats", "steps", "warmup", "n_layer", "n_head", "n_embd", "seq_len", "global_batch")
+        launch(__file__, args.nproc, [f"--layout={layout}", *forward(args, names)], out)
         results["layouts"][layout] = json.loads(out.read_text())
     write("strategies", results)
     chart(
@@ -230,11 +217,6 @@ def main() -> None:
             {v: f"{r[v]['median_s'] * 1000:.1f} ms (IQR {r[v]['iqr_s'] * 1000:.1f})" for v in VARIANTS},
             r["ratios"],
         )
-
-
-def _forward(args: argparse.Namespace) -> list[str]:
-    names = ("repeats", "steps", "warmup", "n_layer", "n_head", "n_embd", "seq_len", "global_batch")
-    return [f"--{n.replace('_', '-')}={getattr(args, n)}" for n in names]
 
 
 if __name__ == "__main__":

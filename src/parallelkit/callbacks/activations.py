@@ -54,6 +54,26 @@ class _SavedTensorLedger:
             self.live -= key[1]
 
 
+class SavedTensorWindow:
+    """Counts what autograd saves for backward between `start()` and `stop()` (which returns the peak bytes)."""
+
+    def __init__(self) -> None:
+        self._ledger: _SavedTensorLedger | None = None
+        self._hooks: Any = None
+
+    def start(self) -> None:
+        self._ledger = _SavedTensorLedger()
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._ledger.pack, self._ledger.unpack)
+        self._hooks.__enter__()
+
+    def stop(self) -> int:
+        if self._hooks is None:
+            return 0
+        self._hooks.__exit__(None, None, None)
+        self._hooks = None
+        return self._ledger.peak
+
+
 class _Held:
     __slots__ = ("tensor", "__weakref__")
 
@@ -70,21 +90,18 @@ class ActivationMemoryMonitor(L.Callback):
     """
 
     def __init__(self) -> None:
-        self._ledger: _SavedTensorLedger | None = None
-        self._hooks: Any = None
+        self._window = SavedTensorWindow()
         self.peak_bytes = 0
         """This rank's largest per-step peak so far (every rank keeps its own; loggers see rank 0's)."""
 
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
-        self._ledger = _SavedTensorLedger()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._ledger.pack, self._ledger.unpack)
-        self._hooks.__enter__()
+        self._window.start()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        self._hooks.__exit__(None, None, None)
-        self.peak_bytes = max(self.peak_bytes, self._ledger.peak)
-        pl_module.log("activation_peak_mb", self._ledger.peak / 2**20, on_step=True, rank_zero_only=True)
+        peak = self._window.stop()
+        self.peak_bytes = max(self.peak_bytes, peak)
+        pl_module.log("activation_peak_mb", peak / 2**20, on_step=True, rank_zero_only=True)

@@ -14,7 +14,7 @@ from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor as LightningThroughputMonitor
 from torch.distributed.tensor import DTensor
 
-from parallelkit.callbacks.activations import _SavedTensorLedger
+from parallelkit.callbacks.activations import SavedTensorWindow
 
 
 def _samples(batch: Any) -> int:
@@ -122,8 +122,7 @@ class RankMonitor(L.Callback):
         self.every_n_steps = every_n_steps
         self._step_start: float | None = None
         self._times: list[float] = []
-        self._ledger: _SavedTensorLedger | None = None
-        self._hooks: Any = None
+        self._window = SavedTensorWindow()
         self._activations = 0
         self._state = 0
 
@@ -137,17 +136,12 @@ class RankMonitor(L.Callback):
         if self._step_start is None:  # first micro-batch of an optimizer step
             self._step_start = time.perf_counter()
         if not self._cuda(trainer):
-            self._ledger = _SavedTensorLedger()
-            self._hooks = torch.autograd.graph.saved_tensors_hooks(self._ledger.pack, self._ledger.unpack)
-            self._hooks.__enter__()
+            self._window.start()
 
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        if self._hooks is not None:
-            self._hooks.__exit__(None, None, None)
-            self._hooks = None
-            self._activations = max(self._activations, self._ledger.peak)
+        self._activations = max(self._activations, self._window.stop())
         if trainer.fit_loop._should_accumulate():
             return  # the optimizer step, and so the step time, ends with the last micro-batch
         if self._cuda(trainer):
