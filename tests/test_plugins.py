@@ -116,3 +116,21 @@ def test_plugin_for_another_api_version_warns_with_both_versions_and_still_regis
     assert "'future' from parallelkit-future 0.3 was written for parallelkit plugin API 99" in proc.stdout
     assert "provides plugin API 1" in proc.stdout and "upgrade parallelkit" in proc.stdout
     assert "STRATEGY Trainer" in proc.stdout
+
+
+def test_the_core_never_imports_a_plugin():
+    import ast
+
+    from conftest import REPO
+
+    plugin_packages = {p.name for p in (REPO / "plugins").glob("*/src/*") if p.is_dir()}
+    assert {"parallelkit_diloco", "parallelkit_template"} <= plugin_packages
+    for path in (REPO / "src").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                modules = [node.module or ""]
+            else:
+                continue
+            assert not any(m.split(".")[0] in plugin_packages | {"plugins"} for m in modules), (path, modules)
