@@ -127,7 +127,7 @@ class DiLoCoStrategy(FSDPTPStrategy):
             self._anchor,
             lr=self.outer_lr,
             momentum=self.outer_momentum,
-            nesterov=self.nesterov and self.outer_momentum > 0,
+            nesterov=self.nesterov and self.outer_momentum > 0,  # torch refuses Nesterov without momentum
         )
 
     @torch.no_grad()
