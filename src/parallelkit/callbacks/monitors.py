@@ -112,7 +112,7 @@ class RankMonitor(L.Callback):
     - `rank/step_s` (median rank), `rank/step_s_max`, `rank/straggler` = slowest / median rank (progress bar);
     - `memory/peak_mb`: the largest rank's peak. On CUDA, the allocator's max allocated bytes. On CPU, where no
       allocator keeps a peak, the tensor peak as counted: parameters + gradients + optimizer state (local shards,
-      at the step's end) + the most bytes autograd held for backward during a step. Transient buffers
+      at the end of the first step) + the most bytes autograd held for backward during a step. Transient buffers
       (gathered FSDP parameters, communication buffers, the step's last outputs) are not in the CPU figure.
     - `memory/state_mb`, `memory/activations_mb` (largest rank), and on CPU `memory/rss_peak_mb` (the process's
       peak resident memory, Python and libraries included).
@@ -148,7 +148,8 @@ class RankMonitor(L.Callback):
             torch.cuda.synchronize()
         self._times.append(time.perf_counter() - self._step_start)
         self._step_start = None
-        self._state = max(self._state, training_state_bytes(pl_module, trainer.optimizers))
+        if not self._state:  # fixed once the first step has made gradients and optimizer state: count it once
+            self._state = training_state_bytes(pl_module, trainer.optimizers)
         every = self.every_n_steps or trainer.log_every_n_steps
         if trainer.global_step % every == 0:
             self._log(trainer, pl_module)
