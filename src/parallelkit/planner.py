@@ -166,21 +166,17 @@ def profile(
     names = pipeline_layer_names(model) if declared else []
     units = {fqn for fqn, _ in fsdp_units(model)}
     sharded: set[int] = set()
-    gathering: list[nn.Module] = []
     tp_modules: list[tuple[nn.Module, str]] = []
     for pattern, style in (getattr(model, "tp_plan", None) or {}).items():
         for _, module in select(model, [pattern], "tp_plan"):
             if style in SHARDING_STYLES:
                 sharded.update(id(p) for p in module.parameters())
-            if style in GATHERING_STYLES:
-                gathering.append(module)
-            if style in ("colwise", "rowwise", "vocab_embedding", "vocab_head"):
                 tp_modules.append((module, style))
 
     ledger = _SavedTensorLedger()
     marks: dict[str, list[float]] = {}
     gathered: dict[int, float] = {}
-    traffic: dict[int, float] = {}
+    scattered: dict[int, float] = {}
     outputs: dict[str, float] = {}
     handles = []
 
@@ -203,14 +199,13 @@ def profile(
     for name in names:
         layer = model.get_submodule(name)
         handles += [layer.register_forward_pre_hook(enter(name)), layer.register_forward_hook(leave(name))]
-    for module in gathering:
-        handles.append(module.register_forward_pre_hook(record(gathered, "input")))
     for module, style in tp_modules:
-        # Sequence parallelism gathers a column-wise layer's input and reduce-scatters a row-wise layer's output.
+        # Sequence parallelism all-gathers a column-wise layer's input (which autograd then keeps whole) and
+        # reduce-scatters a row-wise layer's output.
         if style in GATHERING_STYLES:
-            handles.append(module.register_forward_pre_hook(record(traffic, "input")))
+            handles.append(module.register_forward_pre_hook(record(gathered, "input")))
         else:
-            handles.append(module.register_forward_hook(record(traffic, "output")))
+            handles.append(module.register_forward_hook(record(scattered, "output")))
     embeddings = [m.num_embeddings for m in model.modules() if isinstance(m, nn.Embedding)]
     vocab = vocab_size or (embeddings[0] if embeddings else 2)
     tokens = torch.randint(0, vocab, (1, seq_len), device="meta")
@@ -239,7 +234,7 @@ def profile(
                 tp_sharded=sum(p.numel() for p in params if id(p) in sharded),
                 activations=end - start,
                 gathered_inputs=sum(v for k, v in gathered.items() if k in members),
-                tp_traffic=sum(v for k, v in traffic.items() if k in members),
+                tp_traffic=sum(v for k, v in (*gathered.items(), *scattered.items()) if k in members),
                 output=outputs.get(name, 0.0),
                 unit=name in units,
             )
