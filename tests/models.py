@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from parallelkit.callbacks.monitors import training_state_bytes
 from parallelkit.mesh import data_parallel_group
 
 
@@ -67,14 +68,7 @@ class StateBytes(L.Callback):
         self.out_dir = out_dir
 
     def on_train_end(self, trainer, pl_module):
-        def local_bytes(t):
-            t = t.to_local() if isinstance(t, DTensor) else t
-            return t.numel() * t.element_size()
-
-        params = list(pl_module.parameters())
-        state = [v for s in trainer.optimizers[0].state.values() for v in s.values() if torch.is_tensor(v)]
-        total = sum(local_bytes(p) for p in params) + sum(local_bytes(p.grad) for p in params if p.grad is not None)
-        total += sum(local_bytes(v) for v in state if v.ndim > 0)  # scalar step counters are not state size
+        total = training_state_bytes(pl_module, trainer.optimizers)
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump({"bytes": total}, f)

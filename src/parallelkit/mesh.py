@@ -247,6 +247,12 @@ def is_local_main(local_rank: int | None = None) -> bool:
     return (int(os.environ.get("LOCAL_RANK", 0)) if local_rank is None else local_rank) == 0
 
 
+def data_parallel_size(strategy: Any) -> int:
+    """Number of distinct batches per step: a parallelkit mesh's dp size, else every process."""
+    spec = getattr(strategy, "mesh_spec", None)
+    return spec.dp_size if spec is not None else strategy.world_size
+
+
 def data_parallel_group(strategy: Any) -> Any:
     """Process group over which a strategy's batches differ (for loss logging and metrics).
 

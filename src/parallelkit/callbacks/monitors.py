@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ThroughputMonitor as LightningThroughput
 from torch.distributed.tensor import DTensor
 
 from parallelkit.callbacks.activations import SavedTensorWindow
+from parallelkit.mesh import data_parallel_size
 
 
 def _samples(batch: Any) -> int:
@@ -23,12 +24,6 @@ def _samples(batch: Any) -> int:
 
 def _tokens(batch: Any) -> int:
     return int(batch[0].numel())
-
-
-def data_parallel_size(strategy: Any) -> int:
-    """Number of distinct batches per step: a parallelkit mesh's dp size, else every process."""
-    spec = getattr(strategy, "mesh_spec", None)
-    return spec.dp_size if spec is not None else strategy.world_size
 
 
 class ThroughputMonitor(LightningThroughputMonitor):

@@ -55,7 +55,10 @@ class FSDPTPStrategy(ParallelkitStrategy):
 
     def planned_mesh(self) -> MeshSpec | None:
         """`parallelkit plan`'s recommendation among fsdp/tp/hsdp meshes, decided on rank 0 and broadcast (every
-        rank must build the same mesh, even on nodes whose memory differs)."""
+        rank must build the same mesh, even on nodes whose memory differs). A subclass that defines its own
+        `auto_mesh` (HSDP, DiLoCo) means that layout by "auto" and is not planned."""
+        if type(self).auto_mesh is not FSDPTPStrategy.auto_mesh:
+            return None
         choice = [None]
         if self.global_rank == 0:
             choice[0] = self._plan_on_rank_zero()
@@ -105,9 +108,6 @@ class FSDPTPStrategy(ParallelkitStrategy):
 
 class HSDPStrategy(FSDPTPStrategy):
     """FSDPTPStrategy whose "auto" mesh replicates across nodes and shards within each node (HSDP)."""
-
-    def planned_mesh(self) -> MeshSpec | None:
-        return None  # HSDP by name: auto_mesh's replicate x fsdp
 
     def auto_mesh(self, num_nodes: int, devices: int) -> MeshShape:
         return [[num_nodes, devices], ["replicate", "fsdp"]]

@@ -82,9 +82,6 @@ class DiLoCoStrategy(FSDPTPStrategy):
     def auto_mesh(self, num_nodes: int, devices: int) -> MeshShape:
         return [[-1], ["replicate"]]
 
-    def planned_mesh(self) -> MeshSpec | None:
-        return None  # every process a replica: auto_mesh's, not the planner's sharded layouts
-
     def _full_spec(self, spec: MeshSpec) -> MeshSpec:
         if "replicate" not in spec.names:
             raise ConfigError(
