@@ -61,6 +61,25 @@ class TinyMixer(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class Gain(nn.Module):
+    """A parameter set in __init__ only: no reset_parameters() to replay after a meta-device build."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class UninitialisableMixer(TinyMixer):
+    """TinyMixer with a `Gain` and no init_weights(): cannot be built on the meta device."""
+
+    def __init__(self, width: int = 32, depth: int = 3, lr: float = 0.2) -> None:
+        super().__init__(width, depth, lr)
+        self.gain = Gain(width)  # setup refuses the model before any forward
+
+
 class StateBytes(L.Callback):
     """Writes each rank's bytes of parameters, gradients and optimizer state (local shards) at fit end."""
 

@@ -5,7 +5,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_ok, assert_same_losses, common, fit, free_port, run, step_losses
+from conftest import REPO, assert_ok, assert_same_losses, common, fit, free_port, run, step_losses, torchrun
 
 STEPS = 20
 
@@ -90,6 +90,37 @@ def test_fsdp4_holds_under_a_third_of_the_single_process_training_state(tmp_path
     sharded = measure("hybrid.yaml", tmp_path / "fsdp4", *layout('[[4, 1], ["fsdp", "tp"]]', 4, 2))
     assert len(sharded) == 4
     assert max(sharded) <= 0.3 * single, (single, sharded)
+
+
+def test_meta_init_never_holds_the_whole_model_and_equals_the_eager_weights(tmp_path):
+    """`meta_init` on a 2 x 2 mesh: parameters stay on the meta device until setup; each process's peak memory
+    grows by well under one model (an eager build grows by more than one); gathered weights equal an eager
+    build's from the same seed exactly. (The parity tests above run hybrid.yaml, which sets meta_init too.)"""
+    mesh = '[[2, 2], ["fsdp", "tp"]]'
+    found = {}
+    for mode in ("meta", "eager"):
+        assert_ok(torchrun("meta_init.py", 4, mesh, str(tmp_path / f"{mode}.json"), mode, cwd=tmp_path))
+        found[mode] = json.loads((tmp_path / f"{mode}.json").read_text())
+    meta, eager = found["meta"], found["eager"]
+    assert meta["meta_until_setup"] and not eager["meta_until_setup"]
+    assert meta["max_abs_diff"] == 0.0 and eager["max_abs_diff"] == 0.0
+    model = meta["model_bytes"]
+    assert eager["growth"] >= model, found  # the measure sees a whole model when there is one
+    assert meta["growth"] <= 0.75 * model, found  # a quarter is the shards; the rest allocator slack
+
+
+def test_meta_init_refuses_a_model_it_cannot_initialise(tmp_path):
+    proc = fit(
+        "hybrid.yaml",
+        tmp_path,
+        "--model=models.UninitialisableMixer",
+        "--trainer.devices=1",
+        '--trainer.strategy.mesh_shape=[[1], ["fsdp"]]',
+        "--trainer.max_steps=1",
+    )
+    assert proc.returncode != 0
+    assert "gain (Gain) hold parameters or buffers and have no reset_parameters()" in proc.stderr, proc.stderr[-3000:]
+    assert "meta_init=False" in proc.stderr
 
 
 def test_hsdp_on_two_torchrun_nodes_matches_single_process(tmp_path, corpus):

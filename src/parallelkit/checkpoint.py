@@ -63,7 +63,7 @@ def _metadata(ckpt_dir: Path) -> Any:
     return FileSystemReader(str(ckpt_dir)).read_metadata()
 
 
-def _model_name(model: nn.Module) -> str:
+def model_class_name(model: nn.Module) -> str:
     """The model's own class name (fully_shard swaps in a generated `FSDP<Name>` subclass)."""
     from torch.distributed.fsdp import FSDPModule
 
@@ -83,7 +83,7 @@ def check_compatible(model: nn.Module, ckpt_dir: Path) -> None:
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError(
-            f"checkpoint {ckpt_dir} does not fit {_model_name(model)}: {shown}. Load it into the model "
+            f"checkpoint {ckpt_dir} does not fit {model_class_name(model)}: {shown}. Load it into the model "
             "configuration it was saved from."
         )
 

@@ -13,6 +13,7 @@ import os
 import platform
 import sys
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from functools import update_wrapper
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
@@ -26,6 +27,7 @@ import parallelkit
 from parallelkit import plugins
 from parallelkit.checkpoint import CheckpointError, consolidate
 from parallelkit.errors import ConfigError, ParallelkitError
+from parallelkit.init import meta_parameters
 from parallelkit.mesh import MeshSpec
 
 TOOLS_HELP = """\
@@ -79,6 +81,15 @@ class ParallelkitCLI(LightningCLI):
 
         update_wrapper(rebound, configure)  # Lightning's is_overridden() reads the wrapped function
         self.model.configure_optimizers = MethodType(rebound, self.model)
+
+    def instantiate_classes(self) -> None:
+        """Build the config's objects; under a strategy with `meta_init: true`, the model's parameters on the meta
+        device (the strategy allocates each rank's shards after sharding)."""
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        strategy = config["trainer"]["strategy"]
+        meta = bool(getattr(getattr(strategy, "init_args", None), "meta_init", False))
+        with meta_parameters() if meta else nullcontext():
+            super().instantiate_classes()
 
     def _check_ckpt_path(self) -> None:
         """A sharded checkpoint needs a parallelkit strategy to load; say so instead of failing in torch.load."""

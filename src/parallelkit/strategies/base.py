@@ -30,6 +30,7 @@ from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
 from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import clip_grad_norm_
+from parallelkit.init import has_meta_tensors, materialize, meta_parameters
 from parallelkit.mesh import MeshSpec
 
 MeshShape = str | Sequence[Any]
@@ -88,6 +89,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
         timeout: float | timedelta = 1800.0,
         process_group_backend: str | None = None,
         save_distributed_checkpoint: bool = True,
+        meta_init: bool = False,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -105,6 +107,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
         self.loss_parallel = loss_parallel
         self.activation_checkpointing = activation_checkpointing
         self.cpu_offload = cpu_offload
+        self.meta_init = meta_init
 
     # -- configuration, checked in the launching process before any worker starts --------------------------
     def check_options(self) -> None:
@@ -189,6 +192,14 @@ class ParallelkitStrategy(ModelParallelStrategy):
         return loss_parallel()
 
     # -- model setup -----------------------------------------------------------------------------------------
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Where `Trainer.init_module()` (and `configure_model()`) build the model: with `meta_init` (or
+        `empty_init=True`) its parameters go to the meta device and are allocated, sharded, in `setup`."""
+        meta = self.meta_init if empty_init is None else empty_init
+        with meta_parameters() if meta else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
     def parallelize_options(self) -> dict[str, Any]:
         """The inner-axis options every strategy passes to `plan.parallelize`."""
         return {
@@ -216,7 +227,10 @@ class ParallelkitStrategy(ModelParallelStrategy):
             trainer.callbacks.append(CommunicationMonitor())
         if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint())  # SIGTERM saves last.ckpt, then exits cleanly
+        built = dict(self.model.named_modules())  # before a pipeline split drops other ranks' layers
         self.parallelize_model(trainer)
+        if has_meta_tensors(self.model):
+            materialize(self.model, torch.device("cpu") if self.cpu_offload else self.root_device, built)
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         self.barrier()

@@ -6,7 +6,6 @@ import os
 from typing import Any
 
 import torch
-from lightning.fabric.strategies.model_parallel import _materialize_distributed_module
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -44,13 +43,15 @@ class FSDPTPStrategy(ParallelkitStrategy):
         timeout: Seconds (or a timedelta) a collective may wait before the job fails instead of hanging.
         process_group_backend: "gloo" or "nccl"; default chosen from the accelerator.
         save_distributed_checkpoint: Each rank writes its shards (DCP) instead of rank 0 a single file.
+        meta_init: Build the model's parameters on the meta device (the CLI and `Trainer.init_module()` do) and
+            allocate only this rank's shards after sharding, so no process ever holds the whole model. Weights
+            equal an eager build's from the same seed (`parallelkit.init`); the model must initialise through
+            `reset_parameters()` of its modules and/or its own `init_weights()`.
     """
 
     def parallelize_model(self, trainer: Any) -> None:
-        if is_overridden("configure_model", self.lightning_module):
-            # The escape hatch: configure_model() already parallelised the model with self.device_mesh.
-            _materialize_distributed_module(self.model, self.root_device)
-        else:
+        # The escape hatch: a model overriding configure_model() has already parallelised itself there.
+        if not is_overridden("configure_model", self.lightning_module):
             parallelize(self.model, self.device_mesh, **self.parallelize_options())
 
     def planned_mesh(self) -> MeshSpec | None:

@@ -64,6 +64,10 @@ class PipelineStrategy(ParallelkitStrategy):
         timeout: Seconds (or a timedelta) a collective may wait before the job fails instead of hanging.
         process_group_backend: "gloo" or "nccl"; default chosen from the accelerator.
         save_distributed_checkpoint: Each rank writes its shards (DCP) instead of rank 0 a single file.
+        meta_init: Build the model's parameters on the meta device (the CLI and `Trainer.init_module()` do) and
+            allocate only this rank's shards after sharding, so no process ever holds the whole model. Weights
+            equal an eager build's from the same seed (`parallelkit.init`); the model must initialise through
+            `reset_parameters()` of its modules and/or its own `init_weights()`.
     """
 
     required_axes = ("pp", "fsdp", "tp")
@@ -85,6 +89,7 @@ class PipelineStrategy(ParallelkitStrategy):
         timeout: float | timedelta = 1800.0,
         process_group_backend: str | None = None,
         save_distributed_checkpoint: bool = True,
+        meta_init: bool = False,
     ) -> None:
         super().__init__(
             mesh_shape=mesh_shape,
@@ -97,6 +102,7 @@ class PipelineStrategy(ParallelkitStrategy):
             timeout=timeout,
             process_group_backend=process_group_backend,
             save_distributed_checkpoint=save_distributed_checkpoint,
+            meta_init=meta_init,
         )
         self.schedule = schedule.lower()
         self._stages_per_rank = stages_per_rank

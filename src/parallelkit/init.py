@@ -1,0 +1,170 @@
+"""Meta-device initialisation: build a model without its memory, shard it, then give each rank only its shards.
+
+A model larger than one process's memory cannot be built whole and then sharded. With `meta_init=True` a
+parallelkit strategy builds the model's parameters on the meta device (shapes, no storage), applies its plan
+(tensor parallel, pipeline split, FSDP) to the empty model, and only then allocates each rank's shards and
+initialises them.
+
+Initialisation stays layout-independent, and equals the eager build's from the same seed: every module's
+`reset_parameters()` and then the model's `init_weights()` are replayed in module order, as an eager build calls
+them, and each random initialiser that meets a sharded parameter draws the *whole* parameter in CPU memory from
+torch's global generator (so the generator advances exactly as in the eager build), keeps this rank's shard and
+frees the rest. One parameter is whole at a time, never the model. Parameters of pipeline layers a rank does not
+hold are drawn and discarded for the same reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from parallelkit.checkpoint import model_class_name
+from parallelkit.errors import ConfigError
+
+RANDOM_METHODS = frozenset(
+    {"normal_", "uniform_", "bernoulli_", "exponential_", "cauchy_", "log_normal_", "geometric_", "random_"}
+)
+"""In-place tensor methods that draw from a generator: applied to a shard, they must draw the whole tensor."""
+
+
+@contextmanager
+def meta_parameters() -> Generator[None, None, None]:
+    """Inside, every parameter a module registers moves to the meta device; buffers and other tensors stay real.
+
+    Unlike `torch.device("meta")`, buffers computed in `__init__` (rotary tables, masks) and torchmetrics states,
+    which `to_empty()` cannot restore, keep their values. A parameter's eager tensor is allocated but never
+    written before it moves (modules initialise after registering), so it costs no memory.
+    """
+    register = nn.Module.register_parameter
+
+    def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and not param.is_meta:
+            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
+        register(module, name, param)
+
+    nn.Module.register_parameter = register_on_meta
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = register
+
+
+def has_meta_tensors(module: nn.Module, recurse: bool = True) -> bool:
+    return any(t.is_meta for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)))
+
+
+def materialize(model: nn.Module, device: torch.device, modules: Mapping[str, nn.Module]) -> None:
+    """Allocate `model`'s meta parameters and buffers on `device` (this rank's shards of sharded ones) and
+    initialise them as an eager build of the model would have from the generator's current state.
+
+    `modules`: the model's modules by name as built, before a pipeline split dropped the layers other ranks hold.
+    Their initialisers are replayed too (drawing what an eager build draws), so a stage's weights do not depend
+    on which stages came before it.
+    """
+    _check_initialisable(model, modules)
+    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    with _restored(model, modules), torch.no_grad(), _WholeTensorInit():
+        for module in modules.values():
+            if _holds_tensors(module) and callable(getattr(module, "reset_parameters", None)):
+                module.reset_parameters()
+        if callable(getattr(model, "init_weights", None)):
+            model.init_weights()
+
+
+def _holds_tensors(module: nn.Module) -> bool:
+    return any(True for _ in (*module.parameters(recurse=False), *module.buffers(recurse=False)))
+
+
+def _check_initialisable(model: nn.Module, modules: Mapping[str, nn.Module]) -> None:
+    if callable(getattr(model, "init_weights", None)):
+        return
+    blind = sorted(
+        {
+            f"{name} ({type(module).__name__})"
+            for name, module in modules.items()
+            if has_meta_tensors(module, recurse=False) and not callable(getattr(module, "reset_parameters", None))
+        }
+    )
+    if blind:
+        raise ConfigError(
+            f"meta_init=True builds {model_class_name(model)} on the meta device, but {', '.join(blind[:5])} hold "
+            "parameters or buffers and have no reset_parameters(), and the model has no init_weights() to "
+            "initialise them after sharding: their weights would be uninitialised memory. Define one of those "
+            "methods (README: the model contract), or set meta_init=False."
+        )
+
+
+@contextmanager
+def _restored(model: nn.Module, modules: Mapping[str, nn.Module]) -> Generator[None, None, None]:
+    """Put layers a pipeline split dropped back under their names while the model's `init_weights()` runs."""
+    emptied = []
+    for name, module in modules.items():
+        parent_name, _, leaf = name.rpartition(".")
+        parent = modules[parent_name] if parent_name else model
+        if leaf and parent._modules.get(leaf, module) is None:
+            parent._modules[leaf] = module
+            emptied.append((parent, leaf))
+    try:
+        yield
+    finally:
+        for parent, leaf in emptied:
+            parent._modules[leaf] = None
+
+
+class _WholeTensorInit(TorchFunctionMode):
+    """Random initialisers on a sharded, non-CPU or not-held tensor draw the whole tensor on the CPU first."""
+
+    def __torch_function__(self, func: Callable, types: Iterable[type], args: tuple = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        initialiser = name in RANDOM_METHODS or getattr(func, "__module__", None) == "torch.nn.init"
+        target = kwargs.get("tensor", args[0] if args else None)
+        if name == "copy_" and _whole_source(target, args):
+            return _set_whole(target, args[1])
+        if not initialiser or not isinstance(target, torch.Tensor) or not _drawn_whole(target):
+            return func(*args, **kwargs)
+        whole = torch.empty(target.shape, dtype=target.dtype)
+        if "tensor" in kwargs:
+            func(*args, **{**kwargs, "tensor": whole})
+        else:
+            func(whole, *args[1:], **kwargs)
+        return _set_whole(target, whole)
+
+
+def _drawn_whole(tensor: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor) or tensor.device.type != "cpu"
+
+
+def _whole_source(target: Any, args: tuple) -> bool:
+    """`sharded.copy_(whole)`: a full-size plain tensor copied into a sharded parameter keeps this rank's part."""
+    from torch.distributed.tensor import DTensor
+
+    source = args[1] if len(args) > 1 else None
+    return (
+        isinstance(target, DTensor)
+        and isinstance(source, torch.Tensor)
+        and not isinstance(source, DTensor)
+        and source.shape == target.shape
+    )
+
+
+def _set_whole(target: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """Write this rank's part of `whole` (a plain tensor of `target`'s global shape) into `target`."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if target.is_meta:
+        return target  # a layer another pipeline rank holds: drawn only to keep the generator in step
+    if isinstance(target, DTensor):
+        # src_data_rank=None: no communication; every rank cuts its own part out of its own copy.
+        shard = distribute_tensor(whole, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(shard.to_local())
+    else:
+        target.copy_(whole)
+    return target
