@@ -2,6 +2,10 @@
 
 import json
 import os
+import signal
+import threading
+import time
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -91,3 +95,48 @@ class StateBytes(L.Callback):
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump({"bytes": total}, f)
+
+
+class KillDuringSave(L.Callback):
+    """On rank `rank`, SIGKILLs this process in the middle of the checkpoint save at `step`: once the save has
+    written a shard under the staging name and before the checkpoint is published under its final one."""
+
+    def __init__(self, step: int, rank: int = 1) -> None:
+        self.step, self.rank = step, rank
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        # Lightning calls this while assembling the checkpoint, just before the strategy writes it.
+        if trainer.global_step != self.step or trainer.global_rank != self.rank:
+            return
+        staging = Path(trainer.checkpoint_callback.dirpath)
+
+        def kill_once_a_shard_is_written() -> None:
+            while not any(staging.glob("*.partial/*.distcp")):
+                time.sleep(0.001)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        threading.Thread(target=kill_once_a_shard_is_written, daemon=True).start()
+
+
+class CrashOnce(L.Callback):
+    """SIGKILLs rank `rank` when training reaches `step`, the first time only (`marker` remembers it): a node
+    failure that a `torchrun --max-restarts` relaunch recovers from."""
+
+    def __init__(self, step: int, marker: str, rank: int = 1) -> None:
+        self.step, self.marker, self.rank = step, Path(marker), rank
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank and not self.marker.exists():
+            self.marker.touch()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+class StopAfter(L.Callback):
+    """Ends fit after optimizer step `step`: a run cut short while its LR schedule still plans for max_steps."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step >= self.step:
+            trainer.should_stop = True  # checkpoint callbacks run after this one: step `step` is still saved

@@ -17,7 +17,9 @@ from conftest import (
     checkpoint_every,
     common,
     fit,
+    free_port,
     parallelkit,
+    run,
     step_losses,
     subprocess_env,
 )
@@ -234,6 +236,93 @@ def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp
     assert min(resumed) == stopped_at + 1  # the step after the last one trained: nothing lost, nothing repeated
     expected = step_losses(straight)
     assert_same_losses({s: expected[s] for s in resumed}, resumed, rtol=1e-6)
+
+
+def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_for_last(tmp_path, corpus, saved):
+    """Rank 1 is SIGKILLed while the step-8 checkpoint is being written: the job fails, the half-written save stays
+    under its staging name, and `--ckpt_path=last` resumes from step 4 exactly as the uninterrupted run."""
+    straight, _ = saved
+    ckpt = tmp_path / "ckpt"
+    run = [*common(corpus, tmp_path / "cache"), "--trainer.strategy.timeout=30", checkpoint_every(ckpt, 4, last=True)]
+    killer = '--trainer.callbacks+={"class_path": "models.KillDuringSave", "init_args": {"step": 8}}'
+    killed = fit("hybrid.yaml", tmp_path / "killed", *run, killer, timeout=300)
+    assert killed.returncode != 0
+    (partial,) = ckpt.glob("*.partial")
+    assert partial.name == "epoch=0-step=8.ckpt.partial" and any(partial.glob("*.distcp"))
+    assert not (ckpt / "epoch=0-step=8.ckpt").exists()
+    assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *run, "--ckpt_path=last"))
+    resumed = step_losses(tmp_path / "resumed")
+    assert sorted(resumed) == list(range(4, STEPS))
+    assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
+
+
+def test_torchrun_max_restarts_relaunches_a_crashed_job_from_the_last_checkpoint(tmp_path, corpus, saved):
+    """Rank 1 dies at step 10; torchrun restarts all 4 workers, which resume from the step-8 checkpoint and finish
+    with the uninterrupted run's losses. Launched as the README says: c10d rendezvous, and the rendezvous store not
+    shared with the process group (torch 2.13 with gloo otherwise hands a restarted worker the previous attempt's
+    peer addresses: "Gloo connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712)."""
+    straight, _ = saved
+    crash = (
+        '--trainer.callbacks+={"class_path": "models.CrashOnce", "init_args": '
+        f'{{"step": 10, "marker": "{tmp_path / "crashed"}"}}}}'
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=4",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        f"--rdzv-endpoint=127.0.0.1:{free_port()}",
+        "-m",
+        "parallelkit.cli",
+        "fit",
+        "--config",
+        str(REPO / "configs" / "hybrid.yaml"),
+        *common(corpus, tmp_path / "cache"),
+        f"--trainer.logger.init_args.save_dir={tmp_path}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.strategy.timeout=30",
+        checkpoint_every(tmp_path / "ckpt", 4, last=True),
+        crash,
+        "--ckpt_path=last",
+    ]
+    assert_ok(run(cmd, tmp_path, timeout=600, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
+    assert (tmp_path / "crashed").exists()  # the fault did happen
+    resumed = step_losses(tmp_path)  # the restarted attempt's log (the newest version)
+    assert sorted(resumed) == list(range(8, STEPS))
+    assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
+
+
+def test_a_single_file_checkpoint_round_trips_and_loads_in_another_layout(tmp_path, corpus, saved):
+    """`save_distributed_checkpoint: false`: rank 0 writes one plain file, which torch.load(weights_only=True) and
+    the unparallelised model read, and which resumes under [[2, 2]] and [[4, 1]] with the straight run's losses."""
+    straight, _ = saved
+    ckpt = tmp_path / "ckpt"
+    single_file = "--trainer.strategy.save_distributed_checkpoint=false"
+    stop = '--trainer.callbacks+={"class_path": "models.StopAfter", "init_args": {"step": 10}}'
+    assert_ok(
+        fit(
+            "hybrid.yaml",
+            tmp_path / "first",
+            *common(corpus, tmp_path / "cache"),
+            single_file,
+            stop,
+            checkpoint_every(ckpt, 10),
+        )
+    )
+    path = ckpt / "epoch=0-step=10.ckpt"
+    assert path.is_file() and not list(ckpt.glob("*.partial"))
+    state = torch.load(path, weights_only=True)
+    GPT(n_layer=2, n_head=4, n_embd=64).load_state_dict(state["state_dict"])
+    for name, mesh, batch in (("same", '[[2, 2], ["fsdp", "tp"]]', 4), ("fsdp4", '[[4, 1], ["fsdp", "tp"]]', 2)):
+        layout = [f"--trainer.strategy.mesh_shape={mesh}", f"--data.init_args.batch_size={batch}"]
+        assert_ok(
+            fit("hybrid.yaml", tmp_path / name, *common(corpus, tmp_path / "cache"), *layout, f"--ckpt_path={path}")
+        )
+        resumed = step_losses(tmp_path / name)
+        assert sorted(resumed) == list(range(10, STEPS))
+        assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6 if name == "same" else 1e-5)
 
 
 def test_2x2_resume_mid_epoch_continues_exactly(tmp_path, corpus, saved):
