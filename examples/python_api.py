@@ -13,14 +13,14 @@ from parallelkit.models import GPT
 
 
 def main() -> None:
-    L.seed_everything(42)
-    model = GPT(n_layer=2, n_head=4, n_embd=64)
     data = TextDataModule(seq_len=64, batch_size=4)  # per process; the global batch is 4 x fsdp 2 = 8
 
     # By name, with the strategy's defaults ("auto" mesh: every process shards) ...
     # trainer = L.Trainer(strategy="fsdp_tp", devices=4, max_steps=30)
     # ... or by class, with a named mesh:
-    strategy = parallelkit.FSDPTPStrategy(mesh_shape=[[2, 2], ["fsdp", "tp"]], loss_parallel=True)
+    # meta_init: the model built inside trainer.init_module() gets its parameters on the meta device, and each
+    # process allocates only its shards after sharding (the weights are those of an eager build, same seed).
+    strategy = parallelkit.FSDPTPStrategy(mesh_shape=[[2, 2], ["fsdp", "tp"]], loss_parallel=True, meta_init=True)
     trainer = L.Trainer(
         strategy=strategy,
         accelerator="auto",
@@ -32,6 +32,9 @@ def main() -> None:
         logger=False,
         enable_checkpointing=False,
     )
+    L.seed_everything(42)
+    with trainer.init_module():
+        model = GPT(n_layer=2, n_head=4, n_embd=64)
     trainer.fit(model, data)
 
 
