@@ -296,7 +296,7 @@ def test_torchrun_max_restarts_relaunches_a_crashed_job_from_the_last_checkpoint
 
 def test_a_single_file_checkpoint_round_trips_and_loads_in_another_layout(tmp_path, corpus, saved):
     """`save_distributed_checkpoint: false`: rank 0 writes one plain file, which torch.load(weights_only=True) and
-    the unparallelised model read, and which resumes under [[2, 2]] and [[4, 1]] with the straight run's losses."""
+    the unparallelised model read, and which resumes under [[2, 2]] and 1f1b pp=2 with the straight run's losses."""
     straight, _ = saved
     ckpt = tmp_path / "ckpt"
     single_file = "--trainer.strategy.save_distributed_checkpoint=false"
@@ -315,11 +315,9 @@ def test_a_single_file_checkpoint_round_trips_and_loads_in_another_layout(tmp_pa
     assert path.is_file() and not list(ckpt.glob("*.partial"))
     state = torch.load(path, weights_only=True)
     GPT(n_layer=2, n_head=4, n_embd=64).load_state_dict(state["state_dict"])
-    for name, mesh, batch in (("same", '[[2, 2], ["fsdp", "tp"]]', 4), ("fsdp4", '[[4, 1], ["fsdp", "tp"]]', 2)):
-        layout = [f"--trainer.strategy.mesh_shape={mesh}", f"--data.init_args.batch_size={batch}"]
-        assert_ok(
-            fit("hybrid.yaml", tmp_path / name, *common(corpus, tmp_path / "cache"), *layout, f"--ckpt_path={path}")
-        )
+    # The same layout; and pipeline stages, which hold different parameters on different ranks.
+    for name, config in (("same", "hybrid.yaml"), ("pp2", "1f1b.yaml")):
+        assert_ok(fit(config, tmp_path / name, *common(corpus, tmp_path / "cache"), f"--ckpt_path={path}"))
         resumed = step_losses(tmp_path / name)
         assert sorted(resumed) == list(range(10, STEPS))
         assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6 if name == "same" else 1e-5)
@@ -350,3 +348,9 @@ def test_resume_mid_epoch_continues_exactly(tmp_path, corpus, config):
     resumed, straight = step_losses(tmp_path / "resumed"), step_losses(tmp_path / "straight")
     assert sorted(resumed) == list(range(10, STEPS))
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
+
+
+def test_pipeline_refuses_a_single_file_checkpoint_that_would_hold_one_stage(tmp_path):
+    proc = fit("1f1b.yaml", tmp_path, "--trainer.strategy.save_distributed_checkpoint=false")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "holds only the first pipeline stage" in proc.stderr and "parallelkit consolidate" in proc.stderr

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -70,20 +71,27 @@ def model_class_name(model: nn.Module) -> str:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
-def check_compatible(model: nn.Module, ckpt_dir: Path) -> None:
-    """Raise a CheckpointError naming every parameter whose shape differs or that the checkpoint lacks."""
-    saved = _metadata(ckpt_dir).state_dict_metadata
+def check_compatible(model: nn.Module, ckpt: Path, saved: Mapping[str, Any] | None = None) -> None:
+    """Raise a CheckpointError naming every parameter whose shape differs or that the checkpoint lacks.
+
+    `saved`: the model tensors of a single-file checkpoint (its "state_dict"); without it, `ckpt` is a sharded
+    checkpoint directory and its metadata is read.
+    """
+    if saved is None:
+        meta = _metadata(ckpt).state_dict_metadata.items()
+        shapes = {k[len(MODEL_PREFIX) :]: getattr(v, "size", None) for k, v in meta if k.startswith(MODEL_PREFIX)}
+    else:
+        shapes = {k: getattr(v, "shape", None) for k, v in saved.items()}
     problems = []
     for name, tensor in model.state_dict().items():
-        entry = saved.get(MODEL_PREFIX + name)
-        if entry is None:
+        if name not in shapes:
             problems.append(f"{name} is missing")
-        elif hasattr(entry, "size") and tuple(entry.size) != tuple(tensor.shape):
-            problems.append(f"{name} is {tuple(entry.size)} in the checkpoint but {tuple(tensor.shape)} in the model")
+        elif shapes[name] is not None and tuple(shapes[name]) != tuple(tensor.shape):
+            problems.append(f"{name} is {tuple(shapes[name])} in the checkpoint but {tuple(tensor.shape)} in the model")
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
         raise CheckpointError(
-            f"checkpoint {ckpt_dir} does not fit {model_class_name(model)}: {shown}. Load it into the model "
+            f"checkpoint {ckpt} does not fit {model_class_name(model)}: {shown}. Load it into the model "
             "configuration it was saved from."
         )
 

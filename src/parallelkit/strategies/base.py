@@ -228,6 +228,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
         if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint())  # SIGTERM saves last.ckpt, then exits cleanly
         built = dict(self.model.named_modules())  # before a pipeline split drops other ranks' layers
+        self._parameter_names = [name for name, _ in self.model.named_parameters()]
         self.parallelize_model(trainer)
         if has_meta_tensors(self.model):
             materialize(self.model, torch.device("cpu") if self.cpu_offload else self.root_device, built)
@@ -271,7 +272,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         if not path.is_dir():
-            return super().load_checkpoint(path, weights_only=weights_only)
+            return self._load_single_file(path, weights_only)
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
@@ -291,6 +292,37 @@ class ParallelkitStrategy(ModelParallelStrategy):
             dcp.load(state, checkpoint_id=str(path))
             set_optimizer_state_dict(self.model, optimizer, state[key], options=FLAT)
         return torch.load(path / "meta.pt", weights_only=weights_only if weights_only is not None else True)
+
+    def _load_single_file(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
+        """Load a `save_distributed_checkpoint=False` file. Every rank maps it (mmap: only the pages it reads) and
+        takes the parameters it holds; Lightning's own loader broadcasts every tensor from rank 0 instead, which
+        fails when ranks hold different parameters (pipeline stages)."""
+        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
+
+        checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only is not False)
+        weights = checkpoint.pop("state_dict")
+        check_compatible(self.model, path, weights)
+        held = set(self.model.state_dict())
+        options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
+        set_model_state_dict(self.model, {k: v for k, v in weights.items() if k in held}, options=options)
+        # Left in the checkpoint: Lightning checks it is there before restoring (a no-op here) the optimizers.
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            state = self._keyed_by_name(state)
+            groups = [{**group, "params": [p for p in group["params"] if p in held]} for group in state["param_groups"]]
+            mine = {"state": {k: v for k, v in state["state"].items() if k in held}, "param_groups": groups}
+            set_optimizer_state_dict(self.model, optimizer, mine, options=options)
+        return checkpoint
+
+    def _keyed_by_name(self, state: dict[str, Any]) -> dict[str, Any]:
+        """An optimizer state keyed by parameter index, as a single file holds it (Lightning numbers parameters in
+        the whole model's order so that one plain process can load it too), keyed by parameter name instead."""
+        if not any(isinstance(p, int) for group in state["param_groups"] for p in group["params"]):
+            return state
+        names = self._parameter_names
+        return {
+            "state": {names[index]: value for index, value in state["state"].items()},
+            "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
+        }
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.loss_context():

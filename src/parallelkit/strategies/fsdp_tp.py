@@ -42,7 +42,8 @@ class FSDPTPStrategy(ParallelkitStrategy):
             a summary at the end of fit (`parallelkit.callbacks.CommunicationMonitor`).
         timeout: Seconds (or a timedelta) a collective may wait before the job fails instead of hanging.
         process_group_backend: "gloo" or "nccl"; default chosen from the accelerator.
-        save_distributed_checkpoint: Each rank writes its shards (DCP) instead of rank 0 a single file.
+        save_distributed_checkpoint: Each rank writes its shards (DCP); False: rank 0 gathers one plain file (for
+            models that fit one process; any layout loads it, one plain process too).
         meta_init: Build the model's parameters on the meta device (the CLI and `Trainer.init_module()` do) and
             allocate only this rank's shards after sharding, so no process ever holds the whole model. Weights
             equal an eager build's from the same seed (`parallelkit.init`); the model must initialise through

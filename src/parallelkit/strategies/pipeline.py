@@ -63,7 +63,8 @@ class PipelineStrategy(ParallelkitStrategy):
             a summary at the end of fit (`parallelkit.callbacks.CommunicationMonitor`).
         timeout: Seconds (or a timedelta) a collective may wait before the job fails instead of hanging.
         process_group_backend: "gloo" or "nccl"; default chosen from the accelerator.
-        save_distributed_checkpoint: Each rank writes its shards (DCP) instead of rank 0 a single file.
+        save_distributed_checkpoint: Must stay True (rank 0 holds only its own stages); a single-file checkpoint
+            written by fsdp_tp loads here.
         meta_init: Build the model's parameters on the meta device (the CLI and `Trainer.init_module()` do) and
             allocate only this rank's shards after sharding, so no process ever holds the whole model. Weights
             equal an eager build's from the same seed (`parallelkit.init`); the model must initialise through
@@ -159,6 +160,11 @@ class PipelineStrategy(ParallelkitStrategy):
             raise ConfigError(
                 f"mesh_shape {self.mesh_spec} has pp={self.pp_size}; pipeline schedules need a pp axis of at "
                 'least 2, e.g. [[2, 2], ["pp", "fsdp"]]. For no pipeline, use strategy="fsdp_tp".'
+            )
+        if not self._save_distributed_checkpoint:
+            raise ConfigError(
+                "save_distributed_checkpoint=False writes one file from rank 0, which holds only the first pipeline "
+                "stage. Keep the sharded default and take one file with: parallelkit consolidate CKPT_DIR OUT.pt"
             )
         if self.microbatches < self.pp_size:
             raise ConfigError(
