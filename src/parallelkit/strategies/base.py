@@ -10,6 +10,7 @@ precision in place of autocast. Its DCP checkpoints are kept, made atomic and la
 
 from __future__ import annotations
 
+import atexit
 from abc import abstractmethod
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -44,6 +46,17 @@ list that DCP keeps from rank 0 only, and a pipeline stage 1 loading it finds no
 
 PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
 """Trainer precisions a parallelkit strategy runs, with the dtype FSDP2 computes in (None: fp32)."""
+
+
+def destroy_process_groups_at_exit() -> None:
+    """Destroy torch.distributed's process groups when the interpreter exits, whatever the backend.
+
+    Lightning does this for NCCL only. A gloo group left to the interpreter's finalisation can abort a process
+    whose training succeeded ("terminate called without an active exception", exit -6): its worker threads are
+    destroyed after Python is gone (pytorch/pytorch#190489). Idempotent.
+    """
+    atexit.unregister(_destroy_dist_connection)
+    atexit.register(_destroy_dist_connection)
 
 
 class ShardedPrecision(Precision):
@@ -156,6 +169,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
     # -- process groups --------------------------------------------------------------------------------------
     def setup_environment(self) -> None:
         self._setup_distributed()
+        destroy_process_groups_at_exit()
         if self.mesh_shape == "auto":
             planned = self.planned_mesh()
             if planned is not None:

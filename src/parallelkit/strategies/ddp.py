@@ -11,6 +11,7 @@ from parallelkit.callbacks.comm import CommunicationMonitor
 from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
 from parallelkit.errors import ConfigError
+from parallelkit.strategies.base import destroy_process_groups_at_exit
 
 
 class DDPStrategy(LightningDDPStrategy):
@@ -53,6 +54,10 @@ class DDPStrategy(LightningDDPStrategy):
                 "Use fp32, bf16 or fp16 with DDP, or an FSDP layout (strategy='fsdp_tp') for this hook."
             )
         super()._configure_launcher()
+
+    def setup_distributed(self) -> None:
+        super().setup_distributed()
+        destroy_process_groups_at_exit()
 
     def setup(self, trainer: Any) -> None:
         if self.profile_communication and not any(isinstance(c, CommunicationMonitor) for c in trainer.callbacks):
