@@ -7,6 +7,8 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -118,3 +120,48 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
     path.write_text(text * max(1, 400_000 // max(len(text), 1)))
     return path
+
+
+SINGLE_PROCESS = {
+    "plain": (),
+    "accumulate": ("--trainer.accumulate_grad_batches=2",),
+    "clip": ("--trainer.gradient_clip_val=0.05",),
+    "val": ("--trainer.val_check_interval=10", "--trainer.limit_val_batches=3"),
+}
+"""The single-process baselines parity tests compare with, by name: overrides of configs/single.yaml."""
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A finished 20-step run that checkpointed at step 10."""
+
+    log: Path
+    checkpoint: Path
+
+    def losses(self, key: str = "train_loss") -> dict[int, float]:
+        return step_losses(self.log, key)
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Callable[..., Reference]:
+    """`reference(config, *overrides)`: a 20-step run of configs/<config> that checkpoints at step 10, made on first
+    use and shared by every test of the session that compares with the same run."""
+    root = tmp_path_factory.mktemp("reference")
+    made: dict[tuple[str, ...], Reference] = {}
+
+    def get(config: str, *overrides: str) -> Reference:
+        key = (config, *overrides)
+        if key not in made:
+            run = root / str(len(made))
+            checkpoint = checkpoint_every(run / "ckpt", 10)
+            assert_ok(fit(config, run / "log", *common(corpus, root / "cache"), checkpoint, *overrides))
+            made[key] = Reference(run / "log", run / "ckpt" / "epoch=0-step=10.ckpt")
+        return made[key]
+
+    return get
+
+
+@pytest.fixture(scope="session")
+def baseline(reference: Callable[..., Reference]) -> Callable[[str], Reference]:
+    """`baseline(name)`: the single-process run of a SINGLE_PROCESS variant."""
+    return lambda name: reference("single.yaml", *SINGLE_PROCESS[name])

@@ -30,11 +30,10 @@ STEPS = 20
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory, corpus):
+def saved(reference):
     """A [[2, 2]] run of 20 steps that checkpoints at step 10: (its losses, the step-10 checkpoint)."""
-    root = tmp_path_factory.mktemp("hybrid")
-    assert_ok(fit("hybrid.yaml", root / "run", *common(corpus, root / "cache"), checkpoint_every(root / "ckpt", 10)))
-    return step_losses(root / "run"), root / "ckpt" / "epoch=0-step=10.ckpt"
+    run = reference("hybrid.yaml")
+    return run.losses(), run.checkpoint
 
 
 @pytest.mark.parametrize(
@@ -208,34 +207,23 @@ def test_killing_one_rank_ends_every_rank_and_a_relaunch_resumes(tmp_path, corpu
     assert_ok(relaunch)
 
 
-def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus):
+def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus, saved):
+    straight, _ = saved
     ckpt = tmp_path / "ckpt"
-    straight = tmp_path / "straight"
-    assert_ok(fit("hybrid.yaml", straight, *common(corpus, tmp_path / "cache"), "--trainer.max_steps=40"))
-    overrides = ["--trainer.max_steps=40", checkpoint_every(ckpt, 4)]
     with training_in_background(
-        tmp_path, corpus, tmp_path / "first", *overrides, until=ckpt / "epoch=0-step=4.ckpt"
+        tmp_path, corpus, tmp_path / "first", checkpoint_every(ckpt, 4), until=ckpt / "epoch=0-step=4.ckpt"
     ) as job:
         os.killpg(job.pid, signal.SIGTERM)  # what SLURM or torchrun does to every process of the job
         _, stderr = job.communicate(timeout=120)
     assert job.returncode == 0, stderr[-3000:]
     assert (ckpt / "last.ckpt" / "meta.pt").is_file()
     stopped_at = max(step_losses(tmp_path / "first"))
-    assert stopped_at < 39
-    assert_ok(
-        fit(
-            "hybrid.yaml",
-            tmp_path / "resumed",
-            *common(corpus, tmp_path / "cache"),
-            "--ckpt_path=last",
-            "--trainer.max_steps=40",  # the same run, so the same LR schedule
-            checkpoint_every(ckpt, 4),
-        )
-    )
+    assert stopped_at < STEPS - 1
+    resume = ["--ckpt_path=last", checkpoint_every(ckpt, 4)]
+    assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *common(corpus, tmp_path / "cache"), *resume))
     resumed = step_losses(tmp_path / "resumed")
     assert min(resumed) == stopped_at + 1  # the step after the last one trained: nothing lost, nothing repeated
-    expected = step_losses(straight)
-    assert_same_losses({s: expected[s] for s in resumed}, resumed, rtol=1e-6)
+    assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
 
 
 def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_for_last(tmp_path, corpus, saved):
@@ -332,22 +320,14 @@ def test_2x2_resume_mid_epoch_continues_exactly(tmp_path, corpus, saved):
 
 
 @pytest.mark.parametrize("config", ["1f1b.yaml", "single.yaml"])
-def test_resume_mid_epoch_continues_exactly(tmp_path, corpus, config):
+def test_resume_mid_epoch_continues_exactly(tmp_path, corpus, reference, config):
     """A run checkpointed at step 10 of 20, then the same run resumed from that checkpoint: one process is
     Lightning's own strategy with parallelkit's data position."""
-    ckpt = tmp_path / "ckpt"
-    assert_ok(fit(config, tmp_path / "straight", *common(corpus, tmp_path / "cache"), checkpoint_every(ckpt, 10)))
-    assert_ok(
-        fit(
-            config,
-            tmp_path / "resumed",
-            *common(corpus, tmp_path / "cache"),
-            f"--ckpt_path={ckpt / 'epoch=0-step=10.ckpt'}",
-        )
-    )
-    resumed, straight = step_losses(tmp_path / "resumed"), step_losses(tmp_path / "straight")
+    straight = reference(config)
+    assert_ok(fit(config, tmp_path, *common(corpus, tmp_path / "cache"), f"--ckpt_path={straight.checkpoint}"))
+    resumed = step_losses(tmp_path)
     assert sorted(resumed) == list(range(10, STEPS))
-    assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
+    assert_same_losses({s: straight.losses()[s] for s in resumed}, resumed, rtol=1e-6)
 
 
 def test_pipeline_refuses_a_single_file_checkpoint_that_would_hold_one_stage(tmp_path):

@@ -19,18 +19,9 @@ def layout(mesh: str, devices: int, batch_size: int) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def baselines(tmp_path_factory, corpus):
-    """Single-process runs at global batch 8: plain, with accumulation 2, with clipping."""
-    root = tmp_path_factory.mktemp("single")
-    variants = {
-        "plain": [],
-        "accumulate": ["--trainer.accumulate_grad_batches=2"],
-        "clip": ["--trainer.gradient_clip_val=0.05"],
-    }
-    losses = {}
-    for name, extra in variants.items():
-        assert_ok(fit("single.yaml", root / name, *common(corpus, root / "cache"), *extra))
-        losses[name] = step_losses(root / name)
+def baselines(baseline):
+    """Single-process losses at global batch 8: plain, with accumulation 2, with clipping."""
+    losses = {name: baseline(name).losses() for name in ("plain", "accumulate", "clip")}
     # The clipped baseline must differ, or the clipping test below would prove nothing.
     assert any(abs(losses["clip"][s] - losses["plain"][s]) > 1e-4 for s in losses["plain"])
     return losses

@@ -4,7 +4,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_ok, assert_same_losses, checkpoint_every, common, fit, run, step_losses
+from conftest import SCRIPTS, assert_ok, assert_same_losses, common, fit, run, step_losses
 from torch import nn
 
 from parallelkit.errors import PlanError
@@ -14,22 +14,8 @@ from parallelkit.plan import StageModule, pipeline_layer_names, split_stages
 STEPS = 20
 
 
-@pytest.fixture(scope="module")
-def baselines(tmp_path_factory, corpus):
-    root = tmp_path_factory.mktemp("single")
-    runs = {
-        "plain": [],
-        "clip": ["--trainer.gradient_clip_val=0.05"],
-        "accumulate": ["--trainer.accumulate_grad_batches=2"],
-        "val": ["--trainer.val_check_interval=10", "--trainer.limit_val_batches=3"],
-    }
-    for name, extra in runs.items():
-        assert_ok(fit("single.yaml", root / name, *common(corpus, root / "cache"), *extra))
-    return root
-
-
 @pytest.mark.parametrize(
-    ("name", "config", "extra", "baseline"),
+    ("name", "config", "extra", "expected"),
     [
         ("gpipe_pp2_m4", "gpipe.yaml", [], "plain"),
         ("1f1b_pp2_m4", "1f1b.yaml", [], "plain"),
@@ -56,32 +42,32 @@ def baselines(tmp_path_factory, corpus):
         ),
     ],
 )
-def test_pipeline_matches_single_process_losses(tmp_path, corpus, baselines, name, config, extra, baseline):
+def test_pipeline_matches_single_process_losses(tmp_path, corpus, baseline, name, config, extra, expected):
     assert_ok(fit(config, tmp_path, *common(corpus, tmp_path / "cache"), *extra))
     losses = step_losses(tmp_path)
-    assert_same_losses(step_losses(baselines / baseline), losses)
+    assert_same_losses(baseline(expected).losses(), losses)
     assert losses[STEPS - 1] < losses[0] - 1.0
 
 
-def test_pipeline_clipping_uses_the_norm_across_stages_and_shards(tmp_path, corpus, baselines):
+def test_pipeline_clipping_uses_the_norm_across_stages_and_shards(tmp_path, corpus, baseline):
     assert_ok(fit("3d.yaml", tmp_path, *common(corpus, tmp_path / "cache"), "--trainer.gradient_clip_val=0.05"))
-    clipped = step_losses(baselines / "clip")
-    assert any(abs(clipped[s] - step_losses(baselines / "plain")[s]) > 1e-4 for s in clipped)  # clipping bites
+    clipped = baseline("clip").losses()
+    assert any(abs(clipped[s] - baseline("plain").losses()[s]) > 1e-4 for s in clipped)  # clipping bites
     assert_same_losses(clipped, step_losses(tmp_path))
 
 
-def test_3d_trains_in_bf16_mixed_close_to_fp32(tmp_path, corpus, baselines):
+def test_3d_trains_in_bf16_mixed_close_to_fp32(tmp_path, corpus, baseline):
     assert_ok(fit("3d.yaml", tmp_path, *common(corpus, tmp_path / "cache"), "--trainer.precision=bf16-mixed"))
-    assert_same_losses(step_losses(baselines / "plain"), step_losses(tmp_path), rtol=0.02)
+    assert_same_losses(baseline("plain").losses(), step_losses(tmp_path), rtol=0.02)
 
 
-def test_pipelined_validation_gives_the_single_process_val_loss(tmp_path, corpus, baselines):
+def test_pipelined_validation_gives_the_single_process_val_loss(tmp_path, corpus, baseline):
     val = ["--trainer.val_check_interval=10", "--trainer.limit_val_batches=3"]
     assert_ok(fit("1f1b.yaml", tmp_path, *common(corpus, tmp_path / "cache"), *val))
-    expected = step_losses(baselines / "val", "val_loss")
+    expected = baseline("val").losses("val_loss")
     assert len(expected) == 2
     assert_same_losses(expected, step_losses(tmp_path, "val_loss"))
-    assert_same_losses(step_losses(baselines / "val"), step_losses(tmp_path))
+    assert_same_losses(baseline("val").losses(), step_losses(tmp_path))
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe_at_pp2_m8(tmp_path, corpus):
@@ -187,17 +173,14 @@ def test_parameters_outside_pipeline_layers_are_refused():
         ),
     ],
 )
-def test_1f1b_checkpoint_resumes_in_another_layout_with_the_same_next_losses(tmp_path, corpus, baselines, name, layout):
+def test_1f1b_checkpoint_resumes_in_another_layout_with_the_same_next_losses(tmp_path, corpus, reference, name, layout):
     """Stages keep parameter names, so a pp=2 checkpoint loads under fsdp_tp [[2, 1]] and in one process."""
-    checkpoint = checkpoint_every(tmp_path / "ckpt", 10)
-    assert_ok(fit("1f1b.yaml", tmp_path / "pp", *common(corpus, tmp_path / "cache"), checkpoint))
-    saved = tmp_path / "ckpt" / "epoch=0-step=10.ckpt"
-    assert_ok(
-        fit("hybrid.yaml", tmp_path / "resumed", *common(corpus, tmp_path / "cache"), f"--ckpt_path={saved}", *layout)
-    )
+    pp = reference("1f1b.yaml")
+    resume = f"--ckpt_path={pp.checkpoint}"
+    assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *common(corpus, tmp_path / "cache"), resume, *layout))
     resumed = step_losses(tmp_path / "resumed")
     assert min(resumed) == 10
-    assert_same_losses({s: v for s, v in step_losses(tmp_path / "pp").items() if s in resumed}, resumed)
+    assert_same_losses({s: v for s, v in pp.losses().items() if s in resumed}, resumed)
 
 
 def test_schedule_stats_log_busy_time_and_bubble_next_to_theory(tmp_path, corpus):

@@ -8,6 +8,7 @@ parallelkit plugins
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib
 import os
 import platform
@@ -333,6 +334,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ParallelkitError as err:
         print(f"parallelkit: error: {err}", file=sys.stderr)
         sys.exit(2)
+    finally:
+        if argv is None:  # run as the program: the process ends now
+            # Interpreter shutdown's last garbage collection walks every object torch and Lightning created, a
+            # second of CPU per process (four of them in a 4-process job on a 2-core machine), to free the few
+            # reference cycles left, which the process is about to hand back whole anyway. Frozen objects are
+            # skipped; everything else is torn down as usual (atexit handlers, files closed, groups destroyed).
+            gc.freeze()
 
 
 if __name__ == "__main__":
