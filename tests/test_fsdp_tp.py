@@ -28,7 +28,7 @@ def baselines(baseline):
 
 
 @pytest.mark.parametrize(
-    ("name", "mesh", "devices", "batch_size", "extra", "baseline"),
+    ("name", "mesh", "devices", "batch_size", "extra", "expected"),
     [
         ("fsdp4", '[[4, 1], ["fsdp", "tp"]]', 4, 2, [], "plain"),
         ("tp2", '[[1, 2], ["fsdp", "tp"]]', 2, 8, ["--trainer.strategy.loss_parallel=true"], "plain"),
@@ -47,13 +47,13 @@ def baselines(baseline):
     ],
 )
 def test_layout_matches_single_process_losses(
-    tmp_path, corpus, baselines, name, mesh, devices, batch_size, extra, baseline
+    tmp_path, corpus, baselines, name, mesh, devices, batch_size, extra, expected
 ):
     assert_ok(
         fit("hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache"), *layout(mesh, devices, batch_size), *extra)
     )
     losses = step_losses(tmp_path)
-    assert_same_losses(baselines[baseline], losses)
+    assert_same_losses(baselines[expected], losses)
     assert losses[STEPS - 1] < losses[0] - 1.0
 
 
