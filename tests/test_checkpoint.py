@@ -323,11 +323,11 @@ def test_2x2_resume_mid_epoch_continues_exactly(tmp_path, corpus, saved):
 def test_resume_mid_epoch_continues_exactly(tmp_path, corpus, reference, config):
     """A run checkpointed at step 10 of 20, then the same run resumed from that checkpoint: one process is
     Lightning's own strategy with parallelkit's data position."""
-    straight = reference(config)
-    assert_ok(fit(config, tmp_path, *common(corpus, tmp_path / "cache"), f"--ckpt_path={straight.checkpoint}"))
-    resumed = step_losses(tmp_path)
+    run = reference(config)
+    assert_ok(fit(config, tmp_path, *common(corpus, tmp_path / "cache"), f"--ckpt_path={run.checkpoint}"))
+    resumed, straight = step_losses(tmp_path), run.losses()
     assert sorted(resumed) == list(range(10, STEPS))
-    assert_same_losses({s: straight.losses()[s] for s in resumed}, resumed, rtol=1e-6)
+    assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
 
 
 def test_pipeline_refuses_a_single_file_checkpoint_that_would_hold_one_stage(tmp_path):
