@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from parallelkit.callbacks.monitors import training_state_bytes
 from parallelkit.mesh import data_parallel_group
+from parallelkit.models.gpt import GPT, MLP, Attention, Block
 
 
 class ResidualMLP(nn.Module):
@@ -63,6 +64,135 @@ class TinyMixer(L.LightningModule):
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
+class Network(nn.Module):
+    """A decoder as a plain nn.Module (the reference GPT's layers): what a wrapper LightningModule holds."""
+
+    def __init__(self, n_layer: int, n_head: int, n_embd: int, vocab_size: int = 256) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(vocab_size, n_embd)
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, 4) for _ in range(n_layer))
+        self.norm = nn.RMSNorm(n_embd)
+        self.head = nn.Linear(n_embd, vocab_size, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class LanguageModel(L.LightningModule):
+    """What the wrapper modules below share: the loss of their `logits(x)`, its logging and the optimizer; none has a
+    forward of its own."""
+
+    def __init__(self, lr: float = 3e-3) -> None:
+        super().__init__()
+        self.lr = lr
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self.logits(x).flatten(0, 1), y.flatten())
+        self.log("train_loss", loss, sync_dist=True, sync_dist_group=data_parallel_group(self.trainer.strategy))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+class WrappedNetwork(LanguageModel):
+    """The wrapper pattern (litgpt, most HF wrappers, Lightning's docs): the network is a child called as
+    `self.model(x)` in training_step; the LightningModule's own forward never runs."""
+
+    tp_plan = {f"model.{pattern}": style for pattern, style in GPT.tp_plan.items()}
+    fsdp_units = ["model.blocks.*"]
+
+    def __init__(self, n_layer: int = 2, n_head: int = 4, n_embd: int = 64, lr: float = 3e-3) -> None:
+        super().__init__(lr)
+        self.model = Network(n_layer, n_head, n_embd)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+class Encoder(nn.Module):
+    """Embedding and blocks, each block an `nn.ModuleDict` (no forward of its own) run part by part here."""
+
+    def __init__(self, n_layer: int, n_head: int, n_embd: int) -> None:
+        super().__init__()
+        self.tok_emb = nn.Embedding(256, n_embd)
+        self.layers = nn.ModuleList(
+            nn.ModuleDict(
+                {
+                    "attn_norm": nn.RMSNorm(n_embd),
+                    "attn": Attention(n_embd, n_head),
+                    "mlp_norm": nn.RMSNorm(n_embd),
+                    "mlp": MLP(n_embd, 4 * n_embd),
+                }
+            )
+            for _ in range(n_layer)
+        )
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok_emb(idx)
+        for layer in self.layers:
+            x = x + layer["attn"](layer["attn_norm"](x))
+            x = x + layer["mlp"](layer["mlp_norm"](x))
+        return x
+
+
+class Head(nn.Module):
+    def __init__(self, n_embd: int) -> None:
+        super().__init__()
+        self.norm = nn.RMSNorm(n_embd)
+        self.out = nn.Linear(n_embd, 256, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm(x))
+
+
+class EncoderAndHead(LanguageModel):
+    """Two children called in turn in training_step, and fsdp units that are `nn.ModuleDict`s."""
+
+    tp_plan = {
+        "encoder.tok_emb": "vocab_embedding",
+        "encoder.layers.*.*_norm": "sequence_parallel",
+        "encoder.layers.*.attn.[qkv]": "colwise",
+        "encoder.layers.*.attn.proj": "rowwise",
+        "encoder.layers.*.mlp.up": "colwise",
+        "encoder.layers.*.mlp.down": "rowwise",
+        "head.norm": "sequence_parallel",
+        "head.out": "vocab_head",
+    }
+    fsdp_units = ["encoder.layers.*"]
+
+    def __init__(self, n_layer: int = 2, n_head: int = 4, n_embd: int = 64, lr: float = 3e-3) -> None:
+        super().__init__(lr)
+        self.encoder = Encoder(n_layer, n_head, n_embd)
+        self.head = Head(n_embd)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.encoder(x))
+
+
+class LightningModelParallelModule(WrappedNetwork):
+    """Written for Lightning's ModelParallelStrategy: `configure_model` parallelises the network by hand on the
+    mesh axes Lightning names `tensor_parallel` and `data_parallel` (as in Lightning's TP + FSDP2 guide)."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        tp, dp = self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"]
+        if tp.size() > 1:
+            for block in self.model.blocks:
+                plan = {f"attn.{p}": ColwiseParallel() for p in "qkv"} | {"mlp.up": ColwiseParallel()}
+                plan |= {"attn.proj": RowwiseParallel(), "mlp.down": RowwiseParallel()}
+                parallelize_module(block, tp, plan)
+        for block in self.model.blocks:
+            fully_shard(block, mesh=dp)
+        fully_shard(self.model, mesh=dp)
 
 
 class Gain(nn.Module):

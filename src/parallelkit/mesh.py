@@ -16,12 +16,12 @@ import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from torch.distributed.device_mesh import DeviceMesh
+
+from parallelkit.compat import flatten_mesh, flattened_meshes
 from parallelkit.errors import MeshError
-
-if TYPE_CHECKING:
-    from torch.distributed.device_mesh import DeviceMesh
 
 AXES = ("pp", "replicate", "fsdp", "tp")
 """Every axis name, in the only order they may appear (outer to inner)."""
@@ -31,6 +31,10 @@ DATA_PARALLEL_AXES = ("replicate", "fsdp")
 
 DATA_PARALLEL_MESH = "dp"
 """Name of the flattened (replicate x fsdp) axis that `build` adds when both are present."""
+
+LIGHTNING_AXES = {"data_parallel": DATA_PARALLEL_AXES, "tensor_parallel": ("tp",)}
+"""The axis names of Lightning's ModelParallelStrategy mesh, and the axes each one spans here: a module written for
+it (`self.device_mesh["data_parallel"]` in `configure_model`) runs unchanged."""
 
 
 def _format(sizes: Sequence[int], names: Sequence[str]) -> str:
@@ -203,20 +207,39 @@ class MeshSpec:
         """Create the DeviceMesh (process groups included); needs the default process group.
 
         When both `replicate` and `fsdp` are present, a flattened `dp` axis is added for what spans all
-        data-parallel ranks (the sampler's and metrics' group).
+        data-parallel ranks (the sampler's and metrics' group). Lightning's axis names answer too
+        (`LIGHTNING_AXES`): `mesh["data_parallel"]` spans every data-parallel axis, `mesh["tensor_parallel"]` is tp.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
         if -1 in self.sizes:
             raise MeshError(f"mesh_shape {self} has a -1 left; call resolve(num_nodes, devices) first.")
         mesh = init_device_mesh(device_type, self.sizes, mesh_dim_names=self.names)
+        flattened = dict(LIGHTNING_AXES)
         if all(axis in self.names for axis in DATA_PARALLEL_AXES):
-            # Private in torch 2.13, and the only way to get one group spanning two mesh axes.
-            mesh[DATA_PARALLEL_AXES]._flatten(DATA_PARALLEL_MESH)
+            flattened[DATA_PARALLEL_MESH] = DATA_PARALLEL_AXES
+        for name, axes in flattened.items():
+            present = tuple(axis for axis in axes if axis in self.names)
+            if present:
+                flatten_mesh(mesh[present], name)
+        mesh.__class__ = NamedMesh  # the same object, answering to the flattened names too
         return mesh
 
     def __str__(self) -> str:
         return _format(self.sizes, self.names)
+
+
+class NamedMesh(DeviceMesh):
+    """A built mesh, which also answers to the names of the axes `build` flattened (`dp`, `data_parallel`,
+    `tensor_parallel`) with the meshes kept for them. (torch slices a flattened axis from the root mesh by name too,
+    but warns that this is deprecated and that callers should keep the flattened meshes themselves.)"""
+
+    def __getitem__(self, names: str | tuple[str, ...]) -> DeviceMesh:
+        if isinstance(names, str) and names not in (self.mesh_dim_names or ()):
+            flattened = flattened_meshes(self)
+            if names in flattened:
+                return flattened[names]
+        return super().__getitem__(names)
 
 
 def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:

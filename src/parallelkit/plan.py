@@ -197,7 +197,34 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(f"{fqn}.{name}", child) for name, child in largest.named_children()]
 
 
-def apply_activation_checkpointing(units: list[nn.Module], policy: str | int) -> None:
+Unit = nn.Module | list[nn.Module]
+"""An fsdp unit as FSDP2 takes it: a module, or a list of modules sharded (and gathered) as one group."""
+
+
+def has_forward(module: nn.Module) -> bool:
+    """False for containers such as `nn.ModuleDict`/`nn.ModuleList`, which are never called: hooks on them never run."""
+    return type(module).forward is not nn.Module.forward
+
+
+def runnable_unit(model: nn.Module, fqn: str, module: nn.Module) -> Unit:
+    """`module` as an fsdp unit: itself, or for a container without forward (e.g. a block written as an
+    `nn.ModuleDict`) its children as one group, since FSDP2 gathers a unit in the forward hooks of its modules."""
+    if has_forward(module):
+        return module
+    children = list(module.named_children())
+    uncallable = [name for name, child in children if not has_forward(child)]
+    if not children or uncallable:
+        inner = f"{fqn}.{uncallable[0]}" if uncallable else fqn
+        raise PlanError(
+            f"{type(model).__name__}.fsdp_units entry {fqn} ({type(module).__name__}) has no forward(), and "
+            f"{'neither does its child ' + inner if uncallable else 'no children to shard in its place'}: FSDP2 "
+            "gathers a unit's parameters when the unit is called, and this one never is. Fix: name the modules "
+            f"that are called as units instead, e.g. fsdp_units = ['{inner}.*'], or give the block a forward()."
+        )
+    return [child for _, child in children]
+
+
+def apply_activation_checkpointing(units: list[Unit], policy: str | int) -> None:
     """Recompute activations in backward for the model's blocks (its fsdp units).
 
     `policy`: "none", "full" (every block) or an int n (every n-th block: a memory/compute trade-off).
@@ -217,14 +244,15 @@ def apply_activation_checkpointing(units: list[nn.Module], policy: str | int) ->
                 f"activation_checkpointing={policy!r}: use 'none', 'full', or a positive int n to checkpoint "
                 "every n-th block."
             )
-    for index, block in enumerate(units):
+    for index, unit in enumerate(units):
         if index % every == 0:
-            checkpoint(block)
+            for module in unit if isinstance(unit, list) else [unit]:
+                checkpoint(module)
 
 
 def apply_fsdp(
     root: nn.Module,
-    units: list[nn.Module],
+    units: list[Unit],
     dp_mesh: DeviceMesh,
     *,
     param_dtype: Any = None,
@@ -255,8 +283,9 @@ def apply_fsdp(
     # The root holds what no unit does (embeddings, final norm, head).
     fully_shard(root, reshard_after_forward=reshard_after_forward == "always", **options)
     if comm_hook is not None:
+        # A group's modules share one FSDP state: configuring its first module configures the group.
         for module in (*units, root):
-            comm_hook.configure(module)
+            comm_hook.configure(module[0] if isinstance(module, list) else module)
 
 
 def parallelize(
@@ -284,7 +313,7 @@ def parallelize(
     names = mesh.mesh_dim_names or ()
     if "tp" in names and mesh["tp"].size() > 1:
         apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    units = fsdp_units(model)
+    units = [(fqn, runnable_unit(model, fqn, unit)) for fqn, unit in fsdp_units(model)]
     if stages is None:
         roots = [(model, [unit for _, unit in units])]
     else:
@@ -330,6 +359,13 @@ def pipeline_layer_names(model: nn.Module) -> list[str]:
     names = []
     for pattern in declared:
         names += [fqn for fqn, _ in select(model, [pattern], "pipeline_layers") if fqn not in names]
+    for name in names:
+        if not has_forward(model.get_submodule(name)):
+            raise PlanError(
+                f"{type(model).__name__}.pipeline_layers entry {name} ({type(model.get_submodule(name)).__name__}) "
+                "has no forward(): a pipeline stage calls each layer on the previous one's output. Fix: list the "
+                f"modules it holds in execution order instead (e.g. '{name}.*'), or give it a forward()."
+            )
     owners: dict[int, str] = {}
     for name in names:
         for param_name, param in model.get_submodule(name).named_parameters():

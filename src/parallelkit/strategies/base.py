@@ -30,6 +30,7 @@ from parallelkit.callbacks.preemption import PreemptionCheckpoint
 from parallelkit.checkpoint import check_compatible, publish, remove, staging_path
 from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
+from parallelkit.compat import run_as_forward
 from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import clip_grad_norm_
 from parallelkit.init import has_meta_tensors, materialize, meta_parameters
@@ -338,17 +339,38 @@ class ParallelkitStrategy(ModelParallelStrategy):
             "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in state["param_groups"]],
         }
 
+    def _in_root_forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the LightningModule's `method` (training_step, ...) as the forward of its FSDP root.
+
+        FSDP2 gathers a unit's parameters in the forward hooks of the module it shards, and the root unit is the
+        LightningModule. A module that calls its network as a child (`self.model(x)`, or an encoder and a head in
+        turn) never runs its own forward, so what the root holds (embeddings, final norm, head) would stay sharded.
+        Lightning reroutes steps through a wrapper's forward for DDP and FSDP1 for this reason; FSDP2 shards the
+        module in place, so here the module is its own wrapper. A step that calls `self(x)` runs the root's hooks
+        a second time, inside the first, where they find the parameters already gathered.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.lightning_module
+        if isinstance(module, FSDPModule):
+            return run_as_forward(module, method, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.loss_context():
-            return super().training_step(*args, **kwargs)
+        with self.loss_context(), self.precision_plugin.train_step_context():
+            return self._in_root_forward("training_step", *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.loss_context():
-            return super().validation_step(*args, **kwargs)
+        with self.loss_context(), self.precision_plugin.val_step_context():
+            return self._in_root_forward("validation_step", *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.loss_context():
-            return super().test_step(*args, **kwargs)
+        with self.loss_context(), self.precision_plugin.test_step_context():
+            return self._in_root_forward("test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._in_root_forward("predict_step", *args, **kwargs)
 
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         with self.loss_context():

@@ -72,6 +72,12 @@ class FSDPTPStrategy(ParallelkitStrategy):
 
         model, data = self.lightning_module, getattr(self.lightning_module.trainer, "datamodule", None)
         seq_len, batch = getattr(data, "seq_len", None), getattr(data, "batch_size", None)
+        if is_overridden("configure_model", model):
+            rank_zero_info(
+                f"mesh_shape='auto': {type(model).__name__} parallelises itself in configure_model(), which the "
+                "planner cannot see; every process shards."
+            )
+            return None
         try:
             with torch.device("meta"):
                 # LightningCLI records `_class_path` and the like among hparams: not constructor arguments.
@@ -100,7 +106,12 @@ class FSDPTPStrategy(ParallelkitStrategy):
             activation_checkpointing=self.activation_checkpointing not in ("none", 0),
             accumulate=self.lightning_module.trainer.accumulate_grad_batches,
         )
-        _, best, reason = plan(meta, work, Hardware(self.num_nodes, self.num_processes, memory, **hw), pipeline=False)
+        hardware = Hardware(self.num_nodes, self.num_processes, memory, **hw)
+        try:
+            _, best, reason = plan(meta, work, hardware, pipeline=False)
+        except Exception as err:  # noqa: BLE001 - e.g. a module without forward(); the default mesh still trains
+            rank_zero_warn(f"mesh_shape='auto': cannot plan {type(model).__name__} ({err}); every process shards.")
+            return None
         if best is None:
             rank_zero_warn(f"mesh_shape='auto': {reason} Trying every process sharding.")
             return None
