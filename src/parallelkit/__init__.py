@@ -13,6 +13,7 @@ from parallelkit import plugins
 from parallelkit.checkpoint import CheckpointError, consolidate, publish, staging_path
 from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
+from parallelkit.compat import quiet_known_noise
 from parallelkit.errors import (
     ConfigError,
     DataError,
@@ -57,3 +58,4 @@ __all__ = [
 ]
 
 plugins.register_strategies()
+quiet_known_noise()

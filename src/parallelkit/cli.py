@@ -92,6 +92,36 @@ class ParallelkitCLI(LightningCLI):
         with meta_parameters() if meta else nullcontext():
             super().instantiate_classes()
 
+    def instantiate_trainer(self, **kwargs: object) -> object:
+        """The Trainer, showing parallelkit's progress bar and model summary (`parallelkit.callbacks.display`)
+        unless the config brings its own or turns them off."""
+        from lightning.pytorch.callbacks import ModelSummary as AnyModelSummary
+        from lightning.pytorch.callbacks import ProgressBar as AnyProgressBar
+
+        from parallelkit.callbacks.display import ModelSummary, ProgressBar
+
+        self._check_trainer_config()
+        config = self.config_init[self.subcommand]["trainer"]
+        callbacks = list(config.get("callbacks") or [])
+        if config.get("enable_progress_bar") is not False and not any(isinstance(c, AnyProgressBar) for c in callbacks):
+            callbacks.append(ProgressBar())
+        if config.get("enable_model_summary") is not False and not any(
+            isinstance(c, AnyModelSummary) for c in callbacks
+        ):
+            callbacks.append(ModelSummary())
+            # The switch adds Lightning's default summary, or says at length that it skipped it for ours.
+            kwargs.setdefault("enable_model_summary", False)
+        return super().instantiate_trainer(**{"callbacks": callbacks, **kwargs})
+
+    def parse_arguments(self, parser: Any, args: Any) -> None:
+        """Parse, then refuse a --ckpt_path that is not a checkpoint to resume from, before launch (so in one
+        process, not every rank) and before LightningCLI reads a checkpoint file's hyperparameters."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
+        if isinstance(ckpt_path, str) and ckpt_path not in ("last", "best", "hpc", "registry") and ":" not in ckpt_path:
+            check_readable(Path(ckpt_path))  # names Lightning resolves itself, URLs and registry:<name> are left to it
+
     def _check_ckpt_path(self) -> None:
         """A sharded checkpoint needs a parallelkit strategy to load; say so instead of failing in torch.load."""
         from parallelkit.strategies import ParallelkitStrategy

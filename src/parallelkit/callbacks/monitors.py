@@ -161,7 +161,7 @@ class RankMonitor(L.Callback):
             device=device,
         )
         self._times.clear()
-        everyone = trainer.strategy.all_gather(mine).reshape(-1, mine.numel()).cpu()
+        everyone = _gather_from_every_rank(mine).cpu()
         times = everyone[:, 0].tolist()
         median = statistics.median(times)
         metrics = {
@@ -176,3 +176,12 @@ class RankMonitor(L.Callback):
             metrics["memory/rss_peak_mb"] = everyone[:, 4].max().item() / 2**20
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, rank_zero_only=True, prog_bar=name == "rank/straggler")
+
+
+def _gather_from_every_rank(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` of every rank stacked by rank (Lightning's strategy.all_gather goes through a deprecated torch API)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return tensor.unsqueeze(0)
+    gathered = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size())]
+    torch.distributed.all_gather(gathered, tensor)
+    return torch.stack(gathered)

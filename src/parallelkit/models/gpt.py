@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 
+from parallelkit.errors import ConfigError
 from parallelkit.mesh import data_parallel_group
 
 
@@ -121,8 +122,11 @@ class GPT(L.LightningModule):
         init_std: float = 0.02,
     ) -> None:
         super().__init__()
-        if n_embd % n_head:
-            raise ValueError(f"GPT n_embd={n_embd} must be a multiple of n_head={n_head}.")
+        if n_head < 1 or n_embd % n_head:
+            raise ConfigError(
+                f"GPT n_embd={n_embd} is not a multiple of n_head={n_head}: each attention head takes n_embd / n_head "
+                f"channels. Fix: set model.init_args.n_head to a divisor of {n_embd}, or n_embd to a multiple of it."
+            )
         self.save_hyperparameters()
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, mlp_ratio) for _ in range(n_layer))
@@ -200,8 +204,7 @@ class GPT(L.LightningModule):
             return  # a pipeline strategy ran validation and logged val_loss itself
         loss = self.val_loss.compute()
         self.val_loss.reset()
-        self.log("val_loss", loss, prog_bar=True)
-        self.log("val_ppl", loss.exp())
+        self.log_epoch_loss("val", loss)
 
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.validation_step(batch, batch_idx)
@@ -211,8 +214,14 @@ class GPT(L.LightningModule):
             return  # a pipeline strategy ran the test and logged test_loss itself
         loss = self.val_loss.compute()
         self.val_loss.reset()
-        self.log("test_loss", loss)
-        self.log("test_ppl", loss.exp())
+        self.log_epoch_loss("test", loss)
+
+    def log_epoch_loss(self, stage: str, loss: torch.Tensor) -> None:
+        """Log `<stage>_loss` and `<stage>_ppl` from the metric's value, which every data-parallel rank already
+        shares (the metric synchronised it): the mean over the group that `sync_dist` asks for leaves it as is, and
+        tells Lightning the value is not one rank's."""
+        self.log(f"{stage}_loss", loss, prog_bar=stage == "val", sync_dist=True, sync_dist_group=self.dp_group)
+        self.log(f"{stage}_ppl", loss.exp(), sync_dist=True, sync_dist_group=self.dp_group)
 
     def configure_optimizers(self) -> dict:
         hp = self.hparams

@@ -30,7 +30,7 @@ from parallelkit.callbacks.preemption import PreemptionCheckpoint
 from parallelkit.checkpoint import check_compatible, publish, remove, staging_path
 from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
-from parallelkit.compat import run_as_forward
+from parallelkit.compat import quiet_root_view_warning, run_as_forward
 from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import clip_grad_norm_
 from parallelkit.init import has_meta_tensors, materialize, meta_parameters
@@ -245,6 +245,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
         built = dict(self.model.named_modules())  # before a pipeline split drops other ranks' layers
         self._parameter_names = [name for name, _ in self.model.named_parameters()]
         self.parallelize_model(trainer)
+        quiet_root_view_warning(self.model)
         if has_meta_tensors(self.model):
             materialize(self.model, torch.device("cpu") if self.cpu_offload else self.root_device, built)
         self.model = self.precision_plugin.convert_module(self.model)
