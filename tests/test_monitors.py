@@ -1,10 +1,11 @@
 """The in-run monitors, as a user sees them: figures in the CSV logger's metrics.csv of a 2-process run."""
 
 import json
+import struct
 from pathlib import Path
 
 import pytest
-from conftest import assert_ok, common, fit, step_losses
+from conftest import REPO, assert_ok, assert_same_losses, common, fit, step_losses
 
 
 @pytest.fixture(scope="module")
@@ -53,3 +54,63 @@ def test_pytorch_profiler_writes_a_trace_per_rank(tmp_path, corpus):
         (trace,) = (tmp_path / "prof").glob(f"fit-trace-{rank}-*FSDPTPStrategy.training_step*.pt.trace.json")
         events = json.loads(trace.read_text())["traceEvents"]
         assert any("aten::mm" in event.get("name", "") for event in events)  # the model's matmuls are in it
+
+
+def wandb_records(run_file: Path):
+    """The protobuf records of an offline wandb run's `run-*.wandb` file: a 7-byte header, then records in 32 KiB
+    blocks, each a 7-byte header (checksum, length, kind: 1 whole, 2 first, 3 middle, 4 last part) and its bytes."""
+    from wandb.proto import wandb_internal_pb2
+
+    raw, position, pending = run_file.read_bytes(), 7, b""
+    while position + 7 <= len(raw):
+        if 32768 - position % 32768 < 7:  # a block's tail too short for a header is padding
+            position += 32768 - position % 32768
+            continue
+        _, length, kind = struct.unpack("<IHB", raw[position : position + 7])
+        pending += raw[position + 7 : position + 7 + length]
+        position += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            yield record
+            pending = b""
+
+
+def wandb_key(item) -> str:
+    return item.key or "/".join(item.nested_key)  # wandb writes one or the other, by version
+
+
+def test_wandb_offline_run_records_the_loss_and_the_parallel_layout(tmp_path, corpus, baseline):
+    """configs/wandb.yaml on top of hybrid.yaml, on a machine with no wandb account and no WANDB_MODE: the run stays
+    offline, its history holds the per-step train_loss (one process's, on [[1, 2]]) and its config the layout."""
+    mesh = [
+        '--trainer.strategy.mesh_shape=[[1, 2], ["fsdp", "tp"]]',
+        "--trainer.devices=2",
+        "--data.init_args.batch_size=8",
+    ]
+    wandb = ["--config", str(REPO / "configs" / "wandb.yaml"), f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    env = {"WANDB_MODE": "", "WANDB_API_KEY": "", "HOME": str(tmp_path)}  # no account: no key, no ~/.netrc
+    assert_ok(fit("hybrid.yaml", tmp_path, *wandb, *common(corpus, tmp_path / "cache", steps=5), *mesh, **env))
+    (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
+    losses, config = {}, {}
+    for record in wandb_records(run_file):
+        if record.HasField("history"):
+            row = {wandb_key(item): json.loads(item.value_json) for item in record.history.item}
+            if "train_loss" in row:
+                losses[row["trainer/global_step"]] = row["train_loss"]
+        elif record.HasField("config"):
+            config.update({wandb_key(item): json.loads(item.value_json) for item in record.config.update})
+    # Steps 0-4 are inside the 10-step warmup, whose learning rates do not depend on the run's length.
+    expected = {step: loss for step, loss in baseline("plain").losses().items() if step < 5}
+    assert_same_losses(expected, losses)
+    assert config["parallel"] == {
+        "strategy": "FSDPTPStrategy",
+        "mesh_shape": '[[1, 2], ["fsdp", "tp"]]',
+        "world_size": 2,
+        "dp_size": 1,
+        "pp_size": 1,
+        "replicate_size": 1,
+        "fsdp_size": 1,
+        "tp_size": 2,
+    }
+    assert config["n_layer"] == 2  # the model's own hyperparameters next to it

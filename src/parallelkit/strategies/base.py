@@ -34,7 +34,7 @@ from parallelkit.compat import quiet_root_view_warning, run_as_forward
 from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import clip_grad_norm_
 from parallelkit.init import has_meta_tensors, materialize, meta_parameters
-from parallelkit.mesh import MeshSpec
+from parallelkit.mesh import AXES, MeshSpec
 
 MeshShape = str | Sequence[Any]
 """`[[sizes...], [axis names...]]`, as a list or a JSON string, or "auto"."""
@@ -153,6 +153,18 @@ class ParallelkitStrategy(ModelParallelStrategy):
             )
         super()._configure_launcher()
 
+    def layout(self) -> dict[str, Any]:
+        """The run's parallel layout: strategy, mesh and the size of every axis (1 where the mesh has none)."""
+        spec = self.mesh_spec
+        sizes = {f"{axis}_size": spec.size(axis) for axis in AXES}
+        return {
+            "strategy": type(self).__name__,
+            "mesh_shape": str(spec),
+            "world_size": spec.world_size,
+            "dp_size": spec.dp_size,
+            **sizes,
+        }
+
     def auto_mesh(self, num_nodes: int, devices: int) -> MeshShape:
         """What `mesh_shape="auto"` means: every process shards (fully sharded data parallel)."""
         return [[-1], ["fsdp"]]
@@ -242,6 +254,8 @@ class ParallelkitStrategy(ModelParallelStrategy):
             trainer.callbacks.append(CommunicationMonitor())
         if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint())  # SIGTERM saves last.ckpt, then exits cleanly
+        for logger in trainer.loggers:  # next to the model's hyperparameters, e.g. in a wandb run's config
+            logger.log_hyperparams({"parallel": self.layout()})
         built = dict(self.model.named_modules())  # before a pipeline split drops other ranks' layers
         self._parameter_names = [name for name, _ in self.model.named_parameters()]
         self.parallelize_model(trainer)
