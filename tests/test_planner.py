@@ -1,15 +1,18 @@
 """`parallelkit plan`: estimates held to measurements on CPU and to hand arithmetic for sizes no machine here runs."""
 
+import dataclasses
 import json
 
 import pytest
 import torch
 from conftest import REPO, assert_ok, common, fit, parallelkit, step_losses
+from rich.text import Text
 
+from parallelkit.cli import PLAN_COLUMNS, PLAN_TABLE_OMITS
 from parallelkit.mesh import MeshSpec
 from parallelkit.models import GPT
 from parallelkit.plan import split_stages
-from parallelkit.planner import Hardware, Workload, estimate, plan, profile
+from parallelkit.planner import Estimate, Hardware, Workload, estimate, plan, profile
 
 GPT70B = {"vocab_size": 32000, "n_layer": 80, "n_head": 64, "n_embd": 8192}
 
@@ -83,6 +86,32 @@ def test_plan_command_prints_every_mesh_and_the_recommendation(tmp_path):
     report = json.loads(proc.stdout)
     assert report["recommended"]["fits"] and report["recommended"]["peak"] <= 80e9
     assert report["recommended"]["mesh"] in table.stdout
+
+
+def test_plan_table_and_json_hold_every_field_of_an_estimate(tmp_path):
+    """Every column of the table is one of the planner's fields, under its own header and showing that field's value;
+    the JSON holds every field. A field added to the planner but not to the table (nor to PLAN_TABLE_OMITS), or a
+    cell added without a header, fails here."""
+    args = ["plan", "--config", str(REPO / "configs" / "hybrid.yaml"), "--devices-per-node", "4", "--device-memory"]
+    table, as_json = parallelkit(*args, "1GB", cwd=tmp_path), parallelkit(*args, "1GB", "--json", cwd=tmp_path)
+    assert_ok(table)
+    assert_ok(as_json)
+    report = json.loads(as_json.stdout)
+    estimates = report["estimates"]
+    assert not set(PLAN_COLUMNS) & PLAN_TABLE_OMITS
+    for e in estimates:
+        assert {field.name for field in dataclasses.fields(Estimate)} <= set(e)
+        assert set(e) == set(PLAN_COLUMNS) | PLAN_TABLE_OMITS
+    lines = table.stdout.splitlines()
+    headers = [cell.strip() for cell in next(line for line in lines if line.startswith("┃")).split("┃")[1:-1]]
+    assert headers == [header for header, _ in PLAN_COLUMNS.values()]
+    rows = [[cell.strip() for cell in line.split("│")[1:-1]] for line in lines if line.startswith("│")]
+    assert len(rows) == len(estimates) > 1
+    for row, e in zip(rows, estimates):
+        expected = {key: Text.from_markup(text(e[key])).plain for key, (_, text) in PLAN_COLUMNS.items()}
+        if e == report["recommended"]:
+            expected["fits"] = "<- recommended"
+        assert row == list(expected.values())
 
 
 def test_a_model_that_fits_nowhere_says_by_how_much(tmp_path):

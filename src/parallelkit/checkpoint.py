@@ -61,7 +61,45 @@ def _metadata(ckpt_dir: Path) -> Any:
             f"{ckpt_dir} is not a sharded (DCP) checkpoint: it has no .metadata file. Pass the checkpoint "
             "directory a parallelkit strategy wrote (it holds *.distcp files and meta.pt)."
         )
-    return FileSystemReader(str(ckpt_dir)).read_metadata()
+    try:
+        return FileSystemReader(str(ckpt_dir)).read_metadata()
+    except Exception as err:  # cut short or overwritten: unpickling fails in any of several ways
+        raise CheckpointError(
+            f"{ckpt_dir}/.metadata cannot be read ({type(err).__name__}: {err}): the checkpoint is damaged or "
+            "incomplete. Fix: use another checkpoint (ModelCheckpoint keeps earlier ones with save_top_k)."
+        ) from err
+
+
+def check_readable(path: Path) -> None:
+    """Raise a CheckpointError unless `path` is a checkpoint to resume from: a file torch.save wrote, or a sharded
+    directory with readable `.metadata` and `meta.pt`, holding nothing `torch.load(weights_only=True)` refuses.
+
+    What it refuses (pickled classes and functions, whose unpickling can run any code) is named; the check reads the
+    pickle's opcodes, and nothing in the file is unpickled.
+    """
+    if not path.exists():
+        raise CheckpointError(
+            f"ckpt_path {path} does not exist. Fix: the path of a checkpoint file or directory (ModelCheckpoint's "
+            "dirpath/<name>.ckpt), or ckpt_path=last to resume from this run's newest."
+        )
+    file = path
+    if path.is_dir():
+        _metadata(path)
+        file = path / "meta.pt"  # Lightning's loop and callback state next to the shards
+    try:
+        unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+    except Exception as err:  # missing, not a zip archive, truncated
+        raise CheckpointError(
+            f"ckpt_path {file} is not a readable checkpoint ({type(err).__name__}: {err}). Fix: a file torch.save "
+            "or Lightning's ModelCheckpoint wrote, or a parallelkit strategy's checkpoint directory."
+        ) from err
+    if unsafe:
+        raise CheckpointError(
+            f"ckpt_path {file} holds pickled Python objects ({', '.join(unsafe)}) that torch.load(weights_only=True) "
+            "refuses for safety: unpickling them could run any code, so nothing was loaded. Fix: resume from a "
+            "checkpoint Lightning or parallelkit wrote (tensors and plain containers); if you trust this file's "
+            "origin, load it yourself with torch.load(weights_only=False) and save its tensors again."
+        )
 
 
 def model_class_name(model: nn.Module) -> str:

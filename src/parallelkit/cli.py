@@ -8,28 +8,35 @@ parallelkit plugins
 from __future__ import annotations
 
 import argparse
+import difflib
 import gc
 import importlib
 import os
 import platform
 import sys
+import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from functools import update_wrapper
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from types import MethodType
+from typing import Any
 
+import yaml
 from lightning.pytorch.cli import LightningCLI
+from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities import rank_zero_only
 from rich.console import Console
 from rich.table import Table
 
 import parallelkit
 from parallelkit import plugins
-from parallelkit.checkpoint import CheckpointError, consolidate
+from parallelkit.checkpoint import CheckpointError, check_readable, consolidate
 from parallelkit.errors import ConfigError, ParallelkitError
 from parallelkit.init import meta_parameters
 from parallelkit.mesh import MeshSpec
+from parallelkit.planner import gb
 
 TOOLS_HELP = """\
 tools (no model, no training):
@@ -92,6 +99,21 @@ class ParallelkitCLI(LightningCLI):
         with meta_parameters() if meta else nullcontext():
             super().instantiate_classes()
 
+    def _check_trainer_config(self) -> None:
+        """Refuse what Lightning's Trainer would refuse with a traceback: an unknown strategy name, and a precision
+        a parallelkit strategy does not run."""
+        from parallelkit.strategies import ParallelkitStrategy
+        from parallelkit.strategies.base import ShardedPrecision
+
+        config = self.config_init[self.subcommand]["trainer"]
+        strategy, precision = config.get("strategy"), config.get("precision")
+        if isinstance(strategy, str):
+            check_strategy_name(strategy)
+        elif isinstance(strategy, ParallelkitStrategy) and precision is not None:
+            # Lightning checks a ModelParallelStrategy instance's precision against its own list before the
+            # strategy sees it, so ShardedPrecision's refusal would come too late.
+            ShardedPrecision(PRECISION_ALIASES.get(str(precision), str(precision)))
+
     def instantiate_trainer(self, **kwargs: object) -> object:
         """The Trainer, showing parallelkit's progress bar and model summary (`parallelkit.callbacks.display`)
         unless the config brings its own or turns them off."""
@@ -136,6 +158,43 @@ class ParallelkitCLI(LightningCLI):
             )
 
     before_fit = before_validate = before_test = before_predict = _check_ckpt_path
+
+
+PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
+"""Lightning's short precision names (and ints), as the names it converts them to."""
+
+
+def check_strategy_name(name: str) -> None:
+    """Raise a ConfigError, listing the registered names and the closest, unless `name` is one."""
+    names = ["auto", *sorted(StrategyRegistry.available_strategies())]
+    if name.lower() in names:
+        return
+    close = difflib.get_close_matches(name.lower(), names, n=1)
+    raise ConfigError(
+        f"trainer.strategy={name!r} is not a registered strategy name.{f' Did you mean {close[0]!r}?' if close else ''}"
+        f" Registered (Lightning's, parallelkit's and installed plugins'): {', '.join(names)}. Fix: one of these "
+        "names, or a class_path; `parallelkit plugins` lists plugins that failed to load."
+    )
+
+
+def read_config(path: str) -> dict[str, Any]:
+    """A YAML config file's contents; a ConfigError names the file (and where a syntax error is)."""
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise ConfigError(
+            f"--config {path} cannot be read: {err.strerror}. Fix: the path of a YAML file, e.g. configs/hybrid.yaml."
+        ) from err
+    try:
+        return yaml.safe_load(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        what = "; ".join(p for p in (getattr(err, "context", None), getattr(err, "problem", None)) if p) or str(err)
+        raise ConfigError(
+            f"--config {path} is not valid YAML{where}: {what}. Fix the YAML there (indentation, a ':' after each "
+            "key, closing brackets and quotes)."
+        ) from err
 
 
 def _versions() -> dict[str, str]:
@@ -221,10 +280,32 @@ def consolidate_command(argv: Sequence[str]) -> int:
 def _bytes(text: str) -> float:
     units = {"tb": 1e12, "gb": 1e9, "mb": 1e6, "tib": 2**40, "gib": 2**30, "mib": 2**20}
     lowered = text.strip().lower()
-    for unit, scale in sorted(units.items(), key=lambda u: -len(u[0])):
-        if lowered.endswith(unit):
-            return float(lowered[: -len(unit)]) * scale
-    return float(lowered)
+    unit = next((u for u in sorted(units, key=len, reverse=True) if lowered.endswith(u)), "")
+    try:
+        return float(lowered[: len(lowered) - len(unit)]) * units.get(unit, 1)
+    except ValueError:
+        raise ConfigError(
+            f"--device-memory {text!r} is not a size. Fix: a number of bytes or a number with a unit, e.g. 80GB or "
+            "24GiB (units: TB, GB, MB, TiB, GiB, MiB)."
+        ) from None
+
+
+PLAN_COLUMNS: dict[str, tuple[str, Callable[[Any], str]]] = {
+    "mesh": ("mesh", str),
+    "schedule": ("schedule", lambda schedule: schedule or "-"),
+    "state": ("params+grads+optim", gb),
+    "activations": ("activations", gb),
+    "gathered": ("fsdp buffers", gb),
+    "peak": ("peak", gb),
+    "fits": ("fits", lambda fits: "yes" if fits else "[red]no[/]"),
+    "comm": ("comm per step", lambda comm: ", ".join(f"{axis} {gb(b)}" for axis, b in comm.items()) or "-"),
+    "step_s": ("est. step", lambda seconds: f"{seconds:.3g} s"),
+    "tokens_per_s": ("tokens/s", lambda tokens: f"{tokens:,.0f}"),
+}
+"""`parallelkit plan`'s table: Estimate.as_dict() key -> (header, cell). One record, so a header cannot go missing."""
+
+PLAN_TABLE_OMITS = {"params", "grads", "optimizer", "tensor_peak"}
+"""Estimate.as_dict() keys the table leaves to --json: it shows their sum (params+grads+optim) and the peak."""
 
 
 def plan_command(argv: Sequence[str]) -> int:
@@ -232,9 +313,8 @@ def plan_command(argv: Sequence[str]) -> int:
     import json
 
     import torch
-    import yaml
 
-    from parallelkit.planner import Hardware, Workload, gb, plan
+    from parallelkit.planner import Hardware, Workload, plan
 
     parser = argparse.ArgumentParser(prog="parallelkit plan", description=plan_command.__doc__)
     parser.add_argument("--config", required=True, help="the run's YAML (model, data, trainer as for `fit`)")
@@ -251,7 +331,7 @@ def plan_command(argv: Sequence[str]) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     args = parser.parse_args(argv)
 
-    config = yaml.safe_load(Path(args.config).read_text()) or {}
+    config = read_config(args.config)
     model_cfg = config.get("model") or {}
     data_args = (config.get("data") or {}).get("init_args", {})
     trainer = config.get("trainer") or {}
@@ -308,33 +388,14 @@ def plan_command(argv: Sequence[str]) -> int:
         f"{args.devices_per_node} devices of {gb(hw.device_memory)}"
     )
     table = Table(title=title)
-    for column in (
-        "mesh",
-        "schedule",
-        "params+grads+optim",
-        "activations",
-        "fsdp buffers",
-        "peak",
-        "fits",
-        "comm per step",
-        "est. step",
-    ):
-        table.add_column(column, justify="left" if column in ("mesh", "schedule", "comm per step") else "right")
+    for key, (header, _) in PLAN_COLUMNS.items():
+        table.add_column(header, justify="left" if key in ("mesh", "schedule", "comm") else "right")
     for e in estimates:
-        marker = "[bold green]<- recommended[/]" if e is best else ("yes" if e.fits else "[red]no[/]")
-        comm = ", ".join(f"{axis} {gb(b)}" for axis, b in e.comm.items()) or "-"
-        table.add_row(
-            e.mesh,
-            e.schedule or "-",
-            gb(e.state),
-            gb(e.activations),
-            gb(e.gathered),
-            gb(e.peak),
-            marker,
-            comm,
-            f"{e.step_s:.3g} s",
-            f"{e.tokens_per_s:,.0f}",
-        )
+        values = e.as_dict()
+        cells = {key: text(values[key]) for key, (_, text) in PLAN_COLUMNS.items()}
+        if e is best:
+            cells["fits"] = "[bold green]<- recommended[/]"
+        table.add_row(*cells.values())
     console = Console(width=220)
     console.print(table)
     if best is not None:
@@ -351,18 +412,55 @@ TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
 }
 
 
+REPORT_GRACE_S = 10.0
+"""How long a rank other than 0 waits for rank 0 to report the error they both met before reporting its own."""
+
+
+def report(err: ParallelkitError, launcher_pid: int) -> None:
+    """Print `err` as parallelkit's one-paragraph error on stderr, once per job.
+
+    An error after launch (planning the model, the first batch) usually stops every rank at the same point. Global
+    rank 0 reports it. Lightning's launcher started ranks 1..N-1 as rank 0's children (`launcher_pid`: the parent
+    when this process started), and torchrun ends every rank once one fails: another rank stays silent if rank 0 ends
+    within the grace period, and reports its own error otherwise (one rank 0 did not meet).
+    """
+    if rank_zero_only.rank:
+        deadline = time.monotonic() + REPORT_GRACE_S
+        while os.getppid() == launcher_pid and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if os.getppid() != launcher_pid:
+            return
+    print(f"parallelkit: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+
+
+def _config_files(args: Sequence[str]) -> list[str]:
+    """The existing files given to `--config`/`-c` (jsonargparse also takes inline YAML, and names a missing file)."""
+    paths = [b for a, b in zip(args, args[1:]) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    return [p for p in paths if Path(p).is_file()]
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `parallelkit` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
+    launcher_pid = os.getppid()
     try:
         if args and args[0] in TOOLS:
             sys.exit(TOOLS[args[0]](args[1:]))
         if not args or args[0] in ("-h", "--help"):
             print(TOOLS_HELP)
+        for path in _config_files(args):
+            read_config(path)  # jsonargparse's YAML errors do not name the file
         # Lightning re-runs sys.argv for ranks 1..N-1, so the arguments must come from there unchanged.
         ParallelkitCLI(args=None if argv is None else args)
-    except ParallelkitError as err:
-        print(f"parallelkit: error: {err}", file=sys.stderr)
+    except Exception as err:
+        # jsonargparse raises a constructor's error (a model's or datamodule's argument check) from its own.
+        cause: BaseException | None = err
+        while cause is not None and not isinstance(cause, ParallelkitError):
+            cause = cause.__cause__
+        if cause is None:
+            raise
+        report(cause, launcher_pid)
         sys.exit(2)
     finally:
         if argv is None:  # run as the program: the process ends now

@@ -1,0 +1,167 @@
+"""Bad input through the CLI, as a new user makes it: each class ends in parallelkit's one-paragraph error on stderr
+(field, value, fix), printed once however many ranks met it, exit code 2, no traceback, no hang."""
+
+import subprocess
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO, common, fit, parallelkit
+from lightning.pytorch.strategies import StrategyRegistry
+
+import parallelkit as _  # noqa: F401  registers parallelkit's and the plugins' strategies, which the error must list
+
+QUICK = ("--trainer.max_steps=1",)  # should a refusal regress into a run, keep it short
+
+
+class Payload:
+    """A pickled custom class: what `torch.load(weights_only=True)` refuses."""
+
+
+def pickled_class(tmp: Path) -> str:
+    path = tmp / "payload.ckpt"
+    torch.save({"state_dict": {}, "payload": Payload()}, path)
+    return str(path)
+
+
+def corrupt_metadata(tmp: Path) -> str:
+    path = tmp / "epoch=0-step=10.ckpt"
+    path.mkdir()
+    (path / ".metadata").write_bytes(b"\x80\x04truncated")
+    return str(path)
+
+
+def bad_yaml(tmp: Path) -> str:
+    path = tmp / "run.yaml"
+    path.write_text("trainer:\n  max_steps: 1\n  devices: [1\nmodel: {class_path: parallelkit.models.GPT}\n")
+    return str(path)
+
+
+def plan(*args: str) -> Callable[[Path], subprocess.CompletedProcess]:
+    return lambda tmp: parallelkit("plan", "--devices-per-node", "4", *args, cwd=tmp, timeout=120)
+
+
+def fit_config(config: str, *overrides: str) -> Callable[[Path], subprocess.CompletedProcess]:
+    return lambda tmp: fit(config, tmp, *QUICK, *overrides, timeout=120)
+
+
+HYBRID = str(REPO / "configs" / "hybrid.yaml")
+
+BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], list[str]]] = {
+    "unknown strategy name": (
+        fit_config("single.yaml", "--trainer.strategy=fsdp_tq"),
+        ["trainer.strategy='fsdp_tq'", "Did you mean 'fsdp_tp'?", *StrategyRegistry.available_strategies()],
+    ),
+    "precision a parallelkit strategy does not run": (
+        fit_config("hybrid.yaml", "--trainer.precision=16-mixed"),
+        ["precision='16-mixed'", "use one of 32-true, bf16-mixed, bf16-true"],
+    ),
+    "datamodule argument": (
+        fit_config("single.yaml", "--data.init_args.batch_size=-1"),
+        ["batch_size is -1", "Fix: set data.batch_size >= 1"],
+    ),
+    "model argument": (
+        fit_config("single.yaml", "--model.init_args.n_embd=65"),
+        ["n_embd=65 is not a multiple of n_head=4", "Fix: set model.init_args.n_head to a divisor of 65"],
+    ),
+    "ckpt_path that does not exist": (
+        lambda tmp: fit("single.yaml", tmp, *QUICK, f"--ckpt_path={tmp / 'nope.ckpt'}", timeout=120),
+        ["nope.ckpt does not exist", "ckpt_path=last"],
+    ),
+    "ckpt_path directory without .metadata": (
+        lambda tmp: fit("hybrid.yaml", tmp, *QUICK, f"--ckpt_path={tmp}", timeout=120),
+        ["is not a sharded (DCP) checkpoint: it has no .metadata file", "Pass the checkpoint directory"],
+    ),
+    "ckpt_path with a corrupt .metadata": (
+        lambda tmp: fit("hybrid.yaml", tmp, *QUICK, f"--ckpt_path={corrupt_metadata(tmp)}", timeout=120),
+        ["step=10.ckpt/.metadata cannot be read", "damaged or incomplete", "Fix: use another checkpoint"],
+    ),
+    "checkpoint that weights_only refuses": (
+        lambda tmp: fit("single.yaml", tmp, *QUICK, f"--ckpt_path={pickled_class(tmp)}", timeout=120),
+        ["payload.ckpt holds pickled Python objects (test_errors.Payload)", "refuses for safety", "nothing was loaded"],
+    ),
+    "plan with an unparsable --device-memory": (
+        plan("--config", HYBRID, "--device-memory", "80XB"),
+        ["--device-memory '80XB' is not a size", "e.g. 80GB or 24GiB"],
+    ),
+    "plan with a config file that does not exist": (
+        plan("--config", "missing.yaml", "--device-memory", "80GB"),
+        ["--config missing.yaml cannot be read: No such file or directory", "Fix: the path of a YAML file"],
+    ),
+    "YAML syntax error": (
+        lambda tmp: parallelkit("fit", "--config", bad_yaml(tmp), cwd=tmp, timeout=120),
+        ["run.yaml is not valid YAML at line 4, column 6", "expected ',' or ']'", "Fix the YAML there"],
+    ),
+    # DESIGN.md's mesh errors, through `fit` (test_cli.py checks them through `parallelkit env`).
+    "mesh product is not the world size": (
+        fit_config("hybrid.yaml", "--trainer.strategy.mesh_shape=[[2, 3], [fsdp, tp]]"),
+        ["fsdp=2 x tp=3 = 6 processes", "world size is 4", 'Fix: use mesh_shape [[2, 2], ["fsdp", "tp"]]'],
+    ),
+    "unknown axis name": (
+        fit_config("hybrid.yaml", "--trainer.strategy.mesh_shape=[[2, 2], [fsdp, mp]]"),
+        ["unknown axis 'mp'", "Axis names are pp, replicate, fsdp, tp"],
+    ),
+    "repeated axis name": (
+        fit_config("hybrid.yaml", "--trainer.strategy.mesh_shape=[[2, 2], [fsdp, fsdp]]"),
+        ["repeats the axis 'fsdp'", "give 'fsdp' one larger size"],
+    ),
+    "axis size below 1": (
+        fit_config("hybrid.yaml", "--trainer.strategy.mesh_shape=[[0, 4], [fsdp, tp]]"),
+        ["gives axis 'fsdp' size 0", "sizes are >= 1, or -1"],
+    ),
+}
+
+AFTER_LAUNCH: dict[str, tuple[list[str], list[str]]] = {
+    "tp not dividing the heads": (
+        [
+            "hybrid.yaml",
+            "--trainer.devices=2",
+            "--trainer.strategy.mesh_shape=[[1, 2], [fsdp, tp]]",
+            "--model.init_args.n_head=1",
+        ],
+        ["GPT.blocks.0.attn has 1 attention heads, which tp=2 does not divide", "Fix: a tp that divides"],
+    ),
+    "tp not dividing a hidden size": (
+        [
+            "hybrid.yaml",
+            "--trainer.devices=2",
+            "--trainer.strategy.mesh_shape=[[1, 2], [fsdp, tp]]",
+            "--model.init_args.n_head=3",
+            "--model.init_args.n_embd=63",
+        ],
+        ["GPT.blocks.0.attn.q (colwise) has out_features=63, which tp=2 does not divide", "Fix: choose a tp"],
+    ),
+    "more pipeline stages than layers": (
+        ["interleaved.yaml", "--model.init_args.n_layer=1", "--trainer.strategy.stages_per_rank=3"],
+        ["6 pipeline stages need at least 6 pipeline layers, but GPT has 4", "Fix: fewer stages"],
+    ),
+    "microbatches not dividing the batch": (
+        ["1f1b.yaml", "--trainer.strategy.microbatches=3"],
+        ["microbatches=3 does not divide the per-process batch of 8 (data.batch_size)", "Fix: a batch size"],
+    ),
+}
+
+
+def assert_one_paragraph_error(proc: subprocess.CompletedProcess, fragments: list[str]) -> None:
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2, f"exit {proc.returncode}\n{output[-4000:]}"
+    assert "Traceback" not in output, output[-4000:]
+    assert output.count("parallelkit: error:") == 1, output[-4000:]  # once, not once per rank
+    error = proc.stderr.rstrip().splitlines()[-1]  # one paragraph, and the last thing said
+    assert error.startswith("parallelkit: error: "), proc.stderr[-4000:]
+    for fragment in fragments:
+        assert fragment in error, f"{fragment!r} not in {error!r}"
+
+
+@pytest.mark.parametrize("case", BEFORE_LAUNCH)
+def test_bad_input_before_launch_is_one_paragraph_error(tmp_path: Path, case: str):
+    run, fragments = BEFORE_LAUNCH[case]
+    assert_one_paragraph_error(run(tmp_path), fragments)
+
+
+@pytest.mark.parametrize("case", AFTER_LAUNCH)
+def test_bad_input_every_rank_meets_is_reported_once(tmp_path: Path, corpus: Path, case: str):
+    (config, *overrides), fragments = AFTER_LAUNCH[case]
+    proc = fit(config, tmp_path, *common(corpus, tmp_path / "cache", steps=1), *overrides, timeout=180)
+    assert_one_paragraph_error(proc, fragments)
