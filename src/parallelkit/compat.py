@@ -1,22 +1,98 @@
 """Every private Lightning and torch name parallelkit uses, reached through this module only.
 
-parallelkit hooks into internals that Lightning and torch do not promise to keep. Routing each through one
-function here means an upgrade that renames or removes one fails in this file, and `tests/test_compat.py` checks
-that each still exists with the signature used, naming the one that moved.
+parallelkit hooks into internals that Lightning and torch do not promise to keep. Each use goes through one
+function here, so an upgrade that renames or removes one fails in this file; `tests/test_compat.py` lists every
+private name below, checks that each still exists with the signature used here, and that no other module reaches
+for a private name of its own. Overrides of private methods are listed in `OVERRIDDEN`.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
 import warnings
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    import lightning as L
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.strategies import ParallelStrategy
+    from torch import Tensor
     from torch.distributed.device_mesh import DeviceMesh
     from torch.nn import Module
 
+OVERRIDDEN = {
+    "lightning.pytorch.strategies.Strategy._configure_launcher": "(self)",
+    "lightning.pytorch.cli.LightningCLI._add_configure_optimizers_method_to_model": "(self, subcommand)",
+    "lightning.pytorch.callbacks.RichProgressBar._get_train_description": "(self, current_epoch)",
+}
+"""Private methods parallelkit's subclasses override, with the signature they override: Lightning's strategies
+validate their configuration in `_configure_launcher`, the last hook before workers start."""
 
+
+# -- Lightning ---------------------------------------------------------------------------------------------------
+def destroy_process_groups_at_exit() -> None:
+    """Destroy torch.distributed's process groups when the interpreter exits, whatever the backend.
+
+    Lightning registers its `_destroy_dist_connection` at exit for NCCL only. A gloo group left to the interpreter's
+    finalisation can abort a process whose training succeeded ("terminate called without an active exception",
+    exit -6): its worker threads are destroyed after Python is gone (pytorch/pytorch#190489). Idempotent.
+    """
+    from lightning.fabric.utilities.distributed import _destroy_dist_connection
+
+    atexit.unregister(_destroy_dist_connection)
+    atexit.register(_destroy_dist_connection)
+
+
+def setup_distributed(strategy: ParallelStrategy) -> None:
+    """Initialise the default process group as Lightning's ModelParallelStrategy does (`_setup_distributed`)."""
+    strategy._setup_distributed()
+
+
+def set_device_mesh(strategy: ParallelStrategy, mesh: DeviceMesh) -> None:
+    """Give the strategy and its LightningModule their mesh (`strategy.device_mesh`, `self.device_mesh`), which
+    Lightning's ModelParallelStrategy keeps in `_device_mesh` on both."""
+    strategy._device_mesh = mesh
+    strategy.lightning_module._device_mesh = mesh
+
+
+def saves_distributed_checkpoint(strategy: ParallelStrategy) -> bool:
+    """The `save_distributed_checkpoint` a ModelParallelStrategy was built with."""
+    return strategy._save_distributed_checkpoint
+
+
+def run_as_forward(module: Module, method: str, *args: Any, **kwargs: Any) -> Any:
+    """Call `module.<method>(*args, **kwargs)` through `module(...)`, so that its forward hooks run around it.
+    Lightning's `_ForwardRedirection`, which its DDP and FSDP1 strategies use on their wrappers."""
+    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+
+    return _ForwardRedirection()(module, module, method, *args, **kwargs)
+
+
+def skip_loop_backward(trainer: L.Trainer) -> None:
+    """Tell the fit loop not to run zero_grad and backward itself (the switch Lightning's StochasticWeightAveraging
+    uses): a pipeline schedule's step runs both."""
+    trainer.fit_loop._skip_backward = True
+
+
+def should_accumulate(trainer: L.Trainer) -> bool:
+    """Whether the current micro-batch is not the last of an optimizer step (the fit loop's own test)."""
+    return trainer.fit_loop._should_accumulate()
+
+
+def throughputs(monitor: Callback) -> dict[Any, Any]:
+    """The `Throughput` meters Lightning's ThroughputMonitor keeps per stage, to replace with other kinds."""
+    return monitor._throughputs
+
+
+def note_sigterm(trainer: L.Trainer) -> None:
+    """Raise the flag Lightning's training loop broadcasts from rank 0 every step and turns into a
+    `SIGTERMException` on every rank, without running Lightning's own handler (see `PreemptionCheckpoint`)."""
+    trainer._signal_connector.received_sigterm = True
+
+
+# -- torch -------------------------------------------------------------------------------------------------------
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """One mesh axis named `name` spanning every axis of `mesh` (a sub-mesh of the root). torch 2.13:
     `DeviceMesh._flatten`, the only way to get one group spanning several mesh axes."""
@@ -28,14 +104,50 @@ def flattened_meshes(root: DeviceMesh) -> dict[str, DeviceMesh]:
     return root._flatten_mapping
 
 
-def run_as_forward(module: Module, method: str, *args: Any, **kwargs: Any) -> Any:
-    """Call `module.<method>(*args, **kwargs)` through `module(...)`, so that its forward hooks run around it.
-    Lightning's `_ForwardRedirection`, which its DDP and FSDP1 strategies use on their wrappers."""
-    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+def composable_checkpoint(module: Module) -> None:
+    """Recompute `module`'s activations in backward, keeping its parameter names (torch's composable
+    `checkpoint`, which the public `torch.utils.checkpoint` has no module form of)."""
+    from torch.distributed._composable import checkpoint
 
-    return _ForwardRedirection()(module, module, method, *args, **kwargs)
+    checkpoint(module)
 
 
+def dispatch_mode_class() -> type:
+    """torch's `TorchDispatchMode`: sees every aten op, the c10d collectives included."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+def storage_key(tensor: Tensor) -> tuple[int, int]:
+    """The identity and size of the storage `tensor` (or a DTensor's local shard) lives in. Identity, not address:
+    every meta tensor sits at address 0."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor
+    storage = local.untyped_storage()
+    return storage._cdata, storage.nbytes()
+
+
+def view_base(tensor: Tensor) -> Tensor:
+    """The tensor `tensor` is a view of, or itself."""
+    return tensor._base if tensor._base is not None else tensor
+
+
+def apply_to_tensors(module: Module, fn: Any) -> None:
+    """Replace every parameter and buffer `t` of `module` by `fn(t)` in place, keeping Parameter objects
+    (`nn.Module._apply`, which `to()` and `to_empty()` are made of; those apply to every tensor alike)."""
+    module._apply(fn)
+
+
+def flash_attention_on_cpu(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, scale: float | None) -> Tensor:
+    """The output of the fused (flash) SDPA kernel for CPU, whatever the device of q, k, v (meta included)."""
+    import torch
+
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)[0]
+
+
+# -- noise -------------------------------------------------------------------------------------------------------
 class _WithoutTips(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         return not str(record.msg).startswith("💡 Tip:")

@@ -24,6 +24,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from parallelkit.checkpoint import model_class_name
+from parallelkit.compat import apply_to_tensors
 from parallelkit.errors import ConfigError
 
 RANDOM_METHODS = frozenset(
@@ -67,7 +68,7 @@ def materialize(model: nn.Module, device: torch.device, modules: Mapping[str, nn
     on which stages came before it.
     """
     _check_initialisable(model, modules)
-    model._apply(lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    apply_to_tensors(model, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     with _restored(model, modules), torch.no_grad(), _WholeTensorInit():
         for module in modules.values():
             if _holds_tensors(module) and callable(getattr(module, "reset_parameters", None)):
@@ -106,14 +107,14 @@ def _restored(model: nn.Module, modules: Mapping[str, nn.Module]) -> Generator[N
     for name, module in modules.items():
         parent_name, _, leaf = name.rpartition(".")
         parent = modules[parent_name] if parent_name else model
-        if leaf and parent._modules.get(leaf, module) is None:
-            parent._modules[leaf] = module
+        if leaf and getattr(parent, leaf, module) is None:  # a slot the split emptied
+            parent.register_module(leaf, module)
             emptied.append((parent, leaf))
     try:
         yield
     finally:
         for parent, leaf in emptied:
-            parent._modules[leaf] = None
+            parent.register_module(leaf, None)
 
 
 class _WholeTensorInit(TorchFunctionMode):

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from parallelkit.compat import composable_checkpoint
 from parallelkit.errors import PlanError
 
 if TYPE_CHECKING:
@@ -230,8 +231,6 @@ def apply_activation_checkpointing(units: list[Unit], policy: str | int) -> None
     `policy`: "none", "full" (every block) or an int n (every n-th block: a memory/compute trade-off).
     Uses torch's composable checkpoint so parameter names (FQNs), and so checkpoints, stay unchanged.
     """
-    from torch.distributed._composable import checkpoint
-
     match policy:
         case "none" | 0:
             return
@@ -247,7 +246,7 @@ def apply_activation_checkpointing(units: list[Unit], policy: str | int) -> None
     for index, unit in enumerate(units):
         if index % every == 0:
             for module in unit if isinstance(unit, list) else [unit]:
-                checkpoint(module)
+                composable_checkpoint(module)
 
 
 def apply_fsdp(
@@ -452,9 +451,9 @@ class StageModule(nn.Module):
             *parents, leaf = name.split(".")
             owner: nn.Module = self
             for part in parents:
-                if owner._modules.get(part) is None:
+                if getattr(owner, part, None) is None:
                     owner.add_module(part, nn.Module())
-                owner = owner._modules[part]
+                owner = getattr(owner, part)
             owner.add_module(leaf, model.get_submodule(name))
         self.layer_names = list(layers)
         self._layers = [self.get_submodule(name) for name in layers]  # a plain list: not registered twice

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallelkit.compat import flash_attention_on_cpu
 from parallelkit.errors import PlanError
 from parallelkit.mesh import MeshSpec
 
@@ -141,9 +142,7 @@ class _FlashOnMeta(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.nn.functional.scaled_dot_product_attention and kwargs.get("attn_mask") is None:
             q, k, v = args[:3]
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                q, k, v, 0.0, bool(kwargs.get("is_causal", False)), scale=kwargs.get("scale")
-            )[0]
+            return flash_attention_on_cpu(q, k, v, bool(kwargs.get("is_causal", False)), kwargs.get("scale"))
         return func(*args, **kwargs)
 
 

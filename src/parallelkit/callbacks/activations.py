@@ -8,7 +8,9 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.distributed.tensor import DTensor
+from typing_extensions import override
+
+from parallelkit.compat import storage_key, view_base
 
 
 class _SavedTensorLedger:
@@ -25,14 +27,11 @@ class _SavedTensorLedger:
         self._refs: Counter[tuple[int, int]] = Counter()
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        base = tensor._base if tensor._base is not None else tensor
+        base = view_base(tensor)
         if base.is_leaf and base.requires_grad:
             return tensor  # a parameter, or a view of one (a matmul saves `weight.t()`)
-        local = tensor._local_tensor if isinstance(tensor, DTensor) else tensor  # DTensors wrap a local shard
         try:
-            storage = local.untyped_storage()
-            # The storage's own identity, not its address: meta tensors (the planner counts on them) all sit at 0.
-            key = (storage._cdata, storage.nbytes())
+            key = storage_key(tensor)  # a DTensor's local shard; meta tensors (the planner's) included
         except RuntimeError:  # another wrapper subclass without storage of its own: not counted
             return tensor
         if self._refs[key] == 0:
@@ -94,11 +93,13 @@ class ActivationMemoryMonitor(L.Callback):
         self.peak_bytes = 0
         """This rank's largest per-step peak so far (every rank keeps its own; loggers see rank 0's)."""
 
+    @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._window.start()
 
+    @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:

@@ -8,7 +8,11 @@ from typing import Any
 
 import lightning as L
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from typing_extensions import override
+
+from parallelkit.compat import dispatch_mode_class
+
+TorchDispatchMode = dispatch_mode_class()
 
 KINDS = {
     "allgather": "all_gather",
@@ -82,6 +86,7 @@ class CommunicationMonitor(L.Callback):
         self._steps = 0
         self._step_before = 0
 
+    @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -89,6 +94,7 @@ class CommunicationMonitor(L.Callback):
         self._counter = _CollectiveCounter()
         self._counter.__enter__()
 
+    @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
@@ -114,9 +120,11 @@ class CommunicationMonitor(L.Callback):
                 into[kind][i] += value
         self._counter = None
 
+    @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         self._stop(self._window)
 
+    @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if trainer.global_rank != 0 or not self._steps:
             return

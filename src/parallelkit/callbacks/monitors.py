@@ -13,8 +13,10 @@ import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor as LightningThroughputMonitor
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 from parallelkit.callbacks.activations import SavedTensorWindow
+from parallelkit.compat import should_accumulate, throughputs
 from parallelkit.mesh import data_parallel_size
 
 
@@ -47,10 +49,12 @@ class ThroughputMonitor(LightningThroughputMonitor):
     ) -> None:
         super().__init__(batch_size_fn=batch_size_fn, length_fn=length_fn, window_size=window_size, **kwargs)
 
+    @override
     def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
         super().setup(trainer, pl_module, stage)
-        for key in self._throughputs:
-            self._throughputs[key] = _ReplicaThroughput(
+        meters = throughputs(self)
+        for key in meters:
+            meters[key] = _ReplicaThroughput(
                 trainer.world_size,
                 available_flops=self.available_flops,
                 world_size=data_parallel_size(trainer.strategy),
@@ -66,6 +70,7 @@ class _ReplicaThroughput(Throughput):
         super().__init__(**kwargs)
         self.processes = processes
 
+    @override
     def compute(self) -> dict[str, int | float]:
         metrics = super().compute()
         prefix = f"device{self.separator}"
@@ -125,6 +130,7 @@ class RankMonitor(L.Callback):
     def _cuda(trainer: L.Trainer) -> bool:
         return trainer.strategy.root_device.type == "cuda"
 
+    @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
@@ -133,11 +139,12 @@ class RankMonitor(L.Callback):
         if not self._cuda(trainer):
             self._window.start()
 
+    @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         self._activations = max(self._activations, self._window.stop())
-        if trainer.fit_loop._should_accumulate():
+        if should_accumulate(trainer):
             return  # the optimizer step, and so the step time, ends with the last micro-batch
         if self._cuda(trainer):
             torch.cuda.synchronize()

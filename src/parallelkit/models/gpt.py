@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
+from typing_extensions import override
 
 from parallelkit.errors import ConfigError
 from parallelkit.mesh import data_parallel_group
@@ -148,6 +149,7 @@ class GPT(L.LightningModule):
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
 
+    @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(idx)
         for block in self.blocks:
@@ -161,6 +163,7 @@ class GPT(L.LightningModule):
         # Under loss parallelism the loss is a replicated DTensor; logging and metrics want a plain tensor.
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
+    @override
     def setup(self, stage: str) -> None:
         # Metrics average over the data-parallel group only: tp/pp ranks of one replica hold the same batch.
         self.dp_group = data_parallel_group(self.trainer.strategy)
@@ -174,6 +177,7 @@ class GPT(L.LightningModule):
         blocks = sum(block is not None for block in self.blocks)
         return 6.0 * matmul + 12.0 * blocks * self.hparams.n_embd * seq_len
 
+    @override
     def on_train_batch_start(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         # What ThroughputMonitor reads for MFU: the FLOPs this process performs on its batch. Parameter sizes
         # are global (DTensor), and the tp ranks of a replica split each layer's work between them.
@@ -182,6 +186,7 @@ class GPT(L.LightningModule):
         spec = getattr(self.trainer.strategy, "mesh_spec", None)
         self.flops_per_batch = self._flops_per_token * batch[0].numel() / (spec.size("tp") if spec else 1)
 
+    @override
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = self.pipeline_loss(self(x), y)
@@ -195,10 +200,12 @@ class GPT(L.LightningModule):
         )
         return loss
 
+    @override
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
         self.val_loss.update(self.pipeline_loss(self(x), y))
 
+    @override
     def on_validation_epoch_end(self) -> None:
         if not self.val_loss.update_called:
             return  # a pipeline strategy ran validation and logged val_loss itself
@@ -206,9 +213,11 @@ class GPT(L.LightningModule):
         self.val_loss.reset()
         self.log_epoch_loss("val", loss)
 
+    @override
     def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         self.validation_step(batch, batch_idx)
 
+    @override
     def on_test_epoch_end(self) -> None:
         if not self.val_loss.update_called:
             return  # a pipeline strategy ran the test and logged test_loss itself
@@ -223,6 +232,7 @@ class GPT(L.LightningModule):
         self.log(f"{stage}_loss", loss, prog_bar=stage == "val", sync_dist=True, sync_dist_group=self.dp_group)
         self.log(f"{stage}_ppl", loss.exp(), sync_dist=True, sync_dist_group=self.dp_group)
 
+    @override
     def configure_optimizers(self) -> dict:
         hp = self.hparams
         decay = [p for p in self.parameters() if p.ndim >= 2]

@@ -21,8 +21,10 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from typing_extensions import override
 
 from parallelkit.comm import CommHook
+from parallelkit.compat import saves_distributed_checkpoint, skip_loop_backward
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.mesh import data_parallel_group
 from parallelkit.plan import parallelize, pipeline_layer_names, split_stages
@@ -154,6 +156,7 @@ class PipelineStrategy(ParallelkitStrategy):
     def microbatches(self) -> int:
         return self._microbatches or 2 * self.num_stages
 
+    @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
         if self.pp_size < 2:
@@ -161,7 +164,7 @@ class PipelineStrategy(ParallelkitStrategy):
                 f"mesh_shape {self.mesh_spec} has pp={self.pp_size}; pipeline schedules need a pp axis of at "
                 'least 2, e.g. [[2, 2], ["pp", "fsdp"]]. For no pipeline, use strategy="fsdp_tp".'
             )
-        if not self._save_distributed_checkpoint:
+        if not saves_distributed_checkpoint(self):
             raise ConfigError(
                 "save_distributed_checkpoint=False writes one file from rank 0, which holds only the first pipeline "
                 "stage. Keep the sharded default and take one file with: parallelkit consolidate CKPT_DIR OUT.pt"
@@ -222,7 +225,7 @@ class PipelineStrategy(ParallelkitStrategy):
         # Gradient clipping adds up the stages' norms.
         self.precision_plugin.stage_group = pp_mesh.get_group()
         if trainer.state.fn == TrainerFn.FITTING:
-            trainer.fit_loop._skip_backward = True  # the schedule runs backward itself
+            skip_loop_backward(trainer)  # the schedule runs backward itself
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._predicting:  # torch's schedules compute a loss on the last stage whatever the step is for
@@ -280,6 +283,7 @@ class PipelineStrategy(ParallelkitStrategy):
         module.log("pp_bubble", bubble, on_step=True, prog_bar=True, rank_zero_only=True)
         module.log("pp_bubble_theory", self.theoretical_bubble, on_step=True, rank_zero_only=True)
 
+    @override
     def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
         module = self.lightning_module
         trainer = module.trainer
@@ -291,12 +295,14 @@ class PipelineStrategy(ParallelkitStrategy):
         module.log("train_loss", loss, on_step=True, prog_bar=True, sync_dist=True, sync_dist_group=self._dp_group)
         return loss
 
+    @override
     def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
         loss = self._run(batch, train=False)
         self.lightning_module.log(
             "val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True, sync_dist_group=self._dp_group
         )
 
+    @override
     def predict_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
         """The last stage's output for the batch's inputs (the first element of a tuple batch), on every rank."""
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
