@@ -6,7 +6,7 @@ from conftest import REPO, assert_ok, torchrun
 
 from parallelkit.errors import PlanError
 from parallelkit.models import GPT
-from parallelkit.plan import fsdp_units, matches, tensor_parallel_plan
+from parallelkit.plan import fsdp_units, matches, pipeline_layer_names, runnable_unit, tensor_parallel_plan
 
 
 def test_gpt_forward_shapes_and_loss_near_uniform_at_init():
@@ -82,6 +82,20 @@ def test_fsdp_units_declared_and_default_largest_module_list():
     assert [f for f, _ in fsdp_units(model)] == ["blocks.0", "blocks.1", "blocks.2"]
     model.fsdp_units = None
     assert [f for f, _ in fsdp_units(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+
+
+def test_a_unit_without_forward_is_sharded_as_its_children_or_refused_naming_it():
+    block = torch.nn.ModuleDict({"attn": torch.nn.Linear(2, 2), "mlp": torch.nn.Linear(2, 2)})
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleList([block, torch.nn.ModuleDict({"parts": torch.nn.ModuleList([block])})])
+    assert runnable_unit(model, "layers.0", model.layers[0]) == [block["attn"], block["mlp"]]
+    with pytest.raises(
+        PlanError, match=r"layers\.1 \(ModuleDict\) has no forward\(\).*child layers\.1\.parts.*'layers\.1\.parts\.\*'"
+    ):
+        runnable_unit(model, "layers.1", model.layers[1])
+    model.pipeline_layers = ["layers.*"]
+    with pytest.raises(PlanError, match=r"pipeline_layers entry layers\.0 \(ModuleDict\) has no forward\(\)"):
+        pipeline_layer_names(model)
 
 
 def test_tp_planned_gpt_matches_plain_gpt_outputs_and_grads_on_4_processes():
