@@ -29,6 +29,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities import rank_zero_only
 from rich.console import Console
 from rich.table import Table
+from typing_extensions import override
 
 import parallelkit
 from parallelkit import plugins
@@ -64,6 +65,7 @@ class ParallelkitCLI(LightningCLI):
             **kwargs,
         )
 
+    @override
     def _add_configure_optimizers_method_to_model(self, subcommand: str | None) -> None:
         """`--optimizer`/`--lr_scheduler` from the command line, rebound to the parameters the model has when the
         strategy asks for its optimizers.
@@ -90,6 +92,7 @@ class ParallelkitCLI(LightningCLI):
         update_wrapper(rebound, configure)  # Lightning's is_overridden() reads the wrapped function
         self.model.configure_optimizers = MethodType(rebound, self.model)
 
+    @override
     def instantiate_classes(self) -> None:
         """Build the config's objects; under a strategy with `meta_init: true`, the model's parameters on the meta
         device (the strategy allocates each rank's shards after sharding)."""
@@ -114,6 +117,7 @@ class ParallelkitCLI(LightningCLI):
             # strategy sees it, so ShardedPrecision's refusal would come too late.
             ShardedPrecision(PRECISION_ALIASES.get(str(precision), str(precision)))
 
+    @override
     def instantiate_trainer(self, **kwargs: object) -> object:
         """The Trainer, showing parallelkit's progress bar and model summary (`parallelkit.callbacks.display`)
         unless the config brings its own or turns them off."""
@@ -135,6 +139,7 @@ class ParallelkitCLI(LightningCLI):
             kwargs.setdefault("enable_model_summary", False)
         return super().instantiate_trainer(**{"callbacks": callbacks, **kwargs})
 
+    @override
     def parse_arguments(self, parser: Any, args: Any) -> None:
         """Parse, then refuse a --ckpt_path that is not a checkpoint to resume from, before launch (so in one
         process, not every rank) and before LightningCLI reads a checkpoint file's hyperparameters."""

@@ -10,6 +10,7 @@ import lightning as L
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset
+from typing_extensions import override
 
 from parallelkit.data.sampler import GlobalBatchSampler
 from parallelkit.errors import DataError
@@ -101,6 +102,7 @@ class TokenStreamDataModule(L.LightningDataModule):
             return 1, 0
         return int(kwargs["num_replicas"]), int(kwargs["rank"])
 
+    @override
     def train_dataloader(self) -> DataLoader:
         self._train_sampler = self._sampler(self.train_set, "train", shuffle=True)
         if self._resume_state:
@@ -109,12 +111,15 @@ class TokenStreamDataModule(L.LightningDataModule):
             self._resume_state = None
         return self._loader(self.train_set, self._train_sampler)
 
+    @override
     def val_dataloader(self) -> DataLoader:
         return self._loader(self.val_set, self._sampler(self.val_set, "val", shuffle=False))
 
+    @override
     def test_dataloader(self) -> DataLoader:
         return self.val_dataloader()
 
+    @override
     def state_dict(self) -> dict[str, int]:
         """The training position: epoch and global samples consumed in it (empty when not training).
 
@@ -126,6 +131,7 @@ class TokenStreamDataModule(L.LightningDataModule):
         processed = self.trainer.fit_loop.epoch_loop.batch_progress.current.processed
         return {**self._train_sampler.state_dict(processed), "epoch": self.trainer.current_epoch}
 
+    @override
     def load_state_dict(self, state_dict: Mapping[str, int]) -> None:
         """Remember the saved position; the train dataloader built next starts there."""
         self._resume_state = dict(state_dict) or None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+from typing_extensions import override
 
 from parallelkit.data.stream import TokenStreamDataModule, TokenWindows
 from parallelkit.errors import DataError
@@ -55,6 +56,7 @@ class SyntheticDataModule(TokenStreamDataModule):
     def more_data_hint(self, split: str) -> str:
         return "raise data.val_samples" if split == "val" else "raise data.num_samples"
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         boundary = self.num_samples * self.seq_len
         length = (self.num_samples + self.val_samples) * self.seq_len + 1

@@ -11,6 +11,7 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from typing_extensions import override
 
 from parallelkit.data.stream import TokenStreamDataModule, TokenWindows
 from parallelkit.errors import DataError
@@ -102,10 +103,12 @@ class TextDataModule(TokenStreamDataModule):
     def more_data_hint(self, split: str) -> str:
         return "raise data.val_fraction or add text" if split == "val" else "add text to data.paths"
 
+    @override
     def prepare_data(self) -> None:
         """Build the cached byte stream once per node (Lightning calls this on local rank 0 only)."""
         self._build_corpus()
 
+    @override
     def setup(self, stage: str | None = None) -> None:
         path = self._build_corpus()
         self.num_bytes = path.stat().st_size
