@@ -143,15 +143,16 @@ def test_a_save_cut_short_is_ignored_and_last_resumes_from_the_complete_one(tmp_
 
 
 @contextlib.contextmanager
-def training_in_background(tmp_path, corpus, save_dir, *overrides: str, until: Path):
-    """A 4-process hybrid run in its own session, yielded once `until` exists; killed whole if left running."""
+def training_in_background(tmp_path, corpus, save_dir, *overrides: str, until: Path, config: str = "hybrid.yaml"):
+    """A run of configs/<config> (4-process hybrid by default) in its own session, yielded once `until` exists;
+    killed whole if left running."""
     args = [
         sys.executable,
         "-m",
         "parallelkit.cli",
         "fit",
         "--config",
-        str(REPO / "configs" / "hybrid.yaml"),
+        str(REPO / "configs" / config),
         *common(corpus, tmp_path / "cache"),
         f"--trainer.logger.init_args.save_dir={save_dir}",
         "--trainer.enable_progress_bar=false",
@@ -223,6 +224,34 @@ def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp
     assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *common(corpus, tmp_path / "cache"), *resume))
     resumed = step_losses(tmp_path / "resumed")
     assert min(resumed) == stopped_at + 1  # the step after the last one trained: nothing lost, nothing repeated
+    assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
+
+
+def test_sigterm_under_ddp_comm_saves_last_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus, reference):
+    """parallelkit's DDPStrategy (Lightning's DDP with a comm hook) preempted as the sharded strategies are: rank 0
+    writes last.ckpt as a single file, every process exits 0, and the relaunch continues the uninterrupted run."""
+    ddp_comm = "--trainer.strategy=ddp_comm"
+    straight = reference("ddp.yaml", ddp_comm).losses()
+    ckpt = tmp_path / "ckpt"
+    with training_in_background(
+        tmp_path,
+        corpus,
+        tmp_path / "first",
+        ddp_comm,
+        checkpoint_every(ckpt, 2),
+        until=ckpt / "epoch=0-step=2.ckpt",
+        config="ddp.yaml",
+    ) as job:
+        os.killpg(job.pid, signal.SIGTERM)
+        _, stderr = job.communicate(timeout=120)
+    assert job.returncode == 0, stderr[-3000:]
+    assert (ckpt / "last.ckpt").is_file()
+    stopped_at = max(step_losses(tmp_path / "first"))
+    assert stopped_at < STEPS - 1
+    resume = [ddp_comm, "--ckpt_path=last", checkpoint_every(ckpt, STEPS)]
+    assert_ok(fit("ddp.yaml", tmp_path / "resumed", *common(corpus, tmp_path / "cache"), *resume))
+    resumed = step_losses(tmp_path / "resumed")
+    assert min(resumed) == stopped_at + 1
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
 
 

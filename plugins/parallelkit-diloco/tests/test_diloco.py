@@ -12,7 +12,8 @@ import pytest
 
 import parallelkit
 
-PLUGIN = Path(__file__).resolve().parents[1]
+TESTS = Path(__file__).resolve().parent
+PLUGIN = TESTS.parent
 CONFIG = PLUGIN / "configs" / "diloco.yaml"
 DDP_CONFIG = Path(parallelkit.__file__).resolve().parents[2] / "configs" / "ddp.yaml"
 PARAMS = 131_392  # the configs' GPT (n_layer=2, n_embd=64, byte vocabulary)
@@ -21,6 +22,8 @@ PARAMS = 131_392  # the configs' GPT (n_layer=2, n_embd=64, byte vocabulary)
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    # This directory on the path, so that runs can name diloco_callbacks' classes by class_path.
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
     proc = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     return proc
 
@@ -126,6 +129,33 @@ def test_bf16_outer_communication_halves_the_sync_bytes(tmp_path, corpus):
         CONFIG, tmp_path / "run", corpus, "--trainer.max_steps=8", *SGD, "--trainer.strategy.outer_comm_precision=bf16"
     )
     assert diloco["comm/all_reduce_bytes"][7] == 2.0 * PARAMS + 4
+
+
+# Outer momentum on, so that a resume which restarted the outer loop would show; 2 replicas, a sync every 4 steps.
+WINDOWS = ["--trainer.max_steps=12", "--trainer.strategy.sync_every=4", "--trainer.strategy.outer_momentum=0.5"]
+
+
+def keep_checkpoints_in(dirpath: Path) -> str:
+    """A ModelCheckpoint that saves nothing by itself: the SIGTERM save writes last.ckpt to its dirpath, where
+    `--ckpt_path=last` looks (the default callback's dirpath changes with the logger's version)."""
+    return (
+        '--trainer.callbacks+={"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", '
+        f'"init_args": {{"dirpath": "{dirpath}", "every_n_train_steps": 1000}}}}'
+    )
+
+
+def test_sigterm_between_syncs_saves_last_and_the_relaunch_continues_exactly(tmp_path, corpus):
+    """Preempted at step 6, half-way between the syncs of steps 4 and 8, when the replicas' weights and inner
+    optimizers differ and the outer momentum holds a sync's worth: the job saves last.ckpt and exits 0, and the
+    relaunch trains steps 6-11 with the uninterrupted run's losses."""
+    straight = fit(CONFIG, tmp_path / "straight", corpus, *WINDOWS)["train_loss"]
+    ckpt = tmp_path / "ckpt"
+    sigterm = '--trainer.callbacks+={"class_path": "diloco_callbacks.SigtermAt", "init_args": {"step": 6}}'
+    first = fit(CONFIG, tmp_path / "first", corpus, *WINDOWS, keep_checkpoints_in(ckpt), sigterm)["train_loss"]
+    assert (ckpt / "last.ckpt" / "meta.pt").is_file() and sorted(first) == list(range(6))
+    resumed = fit(CONFIG, tmp_path / "resumed", corpus, *WINDOWS, keep_checkpoints_in(ckpt), "--ckpt_path=last")
+    assert sorted(resumed["train_loss"]) == list(range(6, 12))
+    assert_same({s: straight[s] for s in range(6, 12)}, resumed["train_loss"], rtol=1e-6)
 
 
 def test_mesh_without_replicate_axis_is_refused_with_a_fix(tmp_path):

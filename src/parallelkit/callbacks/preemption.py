@@ -19,8 +19,8 @@ class PreemptionCheckpoint(L.Callback):
     handler, that is, in the middle of whatever collective the rank was in, and a 4-process job signalled that
     way hung. Noted, the flag is shared by the training loop's per-step broadcast from rank 0, and every rank
     raises `SIGTERMException` at the same step, so the save below is collective, as a sharded save must be.
-    The signal must reach rank 0 (SLURM and torchrun signal every process). parallelkit strategies add this
-    callback themselves.
+    The signal must reach rank 0 (SLURM and torchrun signal every process). Every strategy parallelkit ships adds
+    this callback itself: those built on `ParallelkitStrategy` (plugins' included, e.g. DiLoCo) and `ddp_comm`.
     """
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

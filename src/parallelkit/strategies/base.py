@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import atexit
 from abc import abstractmethod
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from pathlib import Path
@@ -24,6 +24,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
+from typing_extensions import override
 
 from parallelkit.callbacks.comm import CommunicationMonitor
 from parallelkit.callbacks.preemption import PreemptionCheckpoint
@@ -277,6 +278,33 @@ class ParallelkitStrategy(ModelParallelStrategy):
             super().model_to_device()
 
     # -- checkpoints -----------------------------------------------------------------------------------------
+    EXTRA_STATE_KEY = "strategy"
+    """The DCP key that `extra_state()` is saved under: its entries appear as `strategy.<key>` in a checkpoint."""
+
+    def extra_state(self) -> dict[str, Any]:
+        """The strategy's own training state, to checkpoint next to the model and optimizers (default: none).
+
+        A flat mapping of key -> tensor, DTensor, or small picklable value, asked of every rank when a full
+        checkpoint is saved (not a weights-only one) and written through DCP with the model: each rank writes its
+        DTensors' shards, and a key that several ranks give (a replicated tensor, the same shard) is written once, by
+        one of them. So ranks whose values differ must give different keys; keys may differ from rank to rank. Key
+        by parameter name, not by position, so that the state loads under another layout.
+        """
+        return {}
+
+    def load_extra_state(self, read: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        """Restore what `extra_state()` saved; runs after the model and optimizers are restored, so it may
+        overwrite them (default: reads nothing).
+
+        `read(template)` fills the template (key -> tensor or DTensor of the shape and layout wanted here, or any
+        value standing for a non-tensor) in place from the checkpoint, resharding DTensors to the template's
+        layout, and returns the entries the checkpoint held; a key it lacks (a checkpoint written by another
+        strategy, or before that state existed) is left out of the result. `read` is collective: call it on every
+        rank the same number of times (the templates may differ from rank to rank). Only sharded (DCP) checkpoints
+        hold extra state; a single-file checkpoint does not, and this is not called for one.
+        """
+
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
         """Save atomically: every rank writes under `<name>.partial`, and rank 0 renames it to `<name>` once all
         have finished, so a checkpoint under its final name is complete and a crash mid-save leaves the
@@ -286,12 +314,42 @@ class ParallelkitStrategy(ModelParallelStrategy):
         if self.is_global_zero:
             remove(staging)  # left by a crashed save
         self.barrier()
-        super().save_checkpoint(checkpoint, staging, storage_options)
+        if self._save_distributed_checkpoint and storage_options is None:
+            self._save_sharded(checkpoint, staging)
+        else:
+            if "optimizer_states" in checkpoint and self.extra_state():
+                from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+                rank_zero_warn(
+                    f"save_distributed_checkpoint=False: the single file holds the model and optimizers only, not "
+                    f"{type(self).__name__}'s own state (extra_state), which a run resumed from it starts afresh. "
+                    "Set save_distributed_checkpoint=True to keep it."
+                )
+            super().save_checkpoint(checkpoint, staging, storage_options)
         self.barrier()
         if self.is_global_zero:
             publish(staging, path)
         self.barrier()
 
+    def _save_sharded(self, checkpoint: dict[str, Any], path: Path) -> None:
+        """Write what Lightning's ModelParallelStrategy writes (the model as `state_dict` and each optimizer as
+        `optimizer_<i>` through DCP, the loops' state to `meta.pt` by rank 0) plus `extra_state()` in the same DCP
+        save, so that one `.metadata` describes all of it."""
+        import torch.distributed.checkpoint as dcp
+
+        path.mkdir(parents=True, exist_ok=True)
+        rest = dict(checkpoint)
+        full = "optimizer_states" in rest  # a weights-only checkpoint has none, and no training state at all
+        sharded = {"state_dict": rest.pop("state_dict")}
+        sharded.update({f"optimizer_{i}": state for i, state in enumerate(rest.pop("optimizer_states", []))})
+        extra = self.extra_state() if full else {}
+        if extra:
+            sharded[self.EXTRA_STATE_KEY] = extra
+        dcp.save(sharded, checkpoint_id=str(path))
+        if self.global_rank == 0:
+            torch.save(rest, path / "meta.pt")
+
+    @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if not self._save_distributed_checkpoint:
             return super().optimizer_state(optimizer)
@@ -299,6 +357,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
 
         return get_optimizer_state_dict(self.model, getattr(optimizer, "_optimizer", optimizer), options=FLAT)
 
+    @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
         if not path.is_dir():
@@ -321,7 +380,23 @@ class ParallelkitStrategy(ModelParallelStrategy):
             state = {key: get_optimizer_state_dict(self.model, optimizer, options=FLAT)}
             dcp.load(state, checkpoint_id=str(path))
             set_optimizer_state_dict(self.model, optimizer, state[key], options=FLAT)
+        self.load_extra_state(self._extra_state_reader(path))
         return torch.load(path / "meta.pt", weights_only=weights_only if weights_only is not None else True)
+
+    def _extra_state_reader(self, path: Path) -> Callable[[dict[str, Any]], dict[str, Any]]:
+        """The `read` that `load_extra_state` gets for the DCP checkpoint at `path`."""
+        import torch.distributed.checkpoint as dcp
+
+        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        prefix = f"{self.EXTRA_STATE_KEY}."
+
+        def read(template: dict[str, Any]) -> dict[str, Any]:
+            found = {key: value for key, value in template.items() if prefix + key in saved}
+            # Every rank loads, even one that asks for nothing: DCP plans the load collectively.
+            dcp.load({self.EXTRA_STATE_KEY: found}, checkpoint_id=str(path))
+            return found
+
+        return read
 
     def _load_single_file(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         """Load a `save_distributed_checkpoint=False` file. Every rank maps it (mmap: only the pages it reads) and

@@ -6,8 +6,10 @@ from datetime import timedelta
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy as LightningDDPStrategy
+from typing_extensions import override
 
 from parallelkit.callbacks.comm import CommunicationMonitor
+from parallelkit.callbacks.preemption import PreemptionCheckpoint
 from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
 from parallelkit.errors import ConfigError
@@ -46,6 +48,7 @@ class DDPStrategy(LightningDDPStrategy):
         self.comm_hook: CommHook | None = None
         self.profile_communication = profile_communication
 
+    @override
     def _configure_launcher(self) -> None:
         self.comm_hook = resolve_comm_hook(self.comm_precision)
         if self.comm_hook.ddp_hook() is None:
@@ -55,14 +58,21 @@ class DDPStrategy(LightningDDPStrategy):
             )
         super()._configure_launcher()
 
+    @override
     def setup_distributed(self) -> None:
         super().setup_distributed()
         destroy_process_groups_at_exit()
 
+    @override
     def setup(self, trainer: Any) -> None:
         if self.profile_communication and not any(isinstance(c, CommunicationMonitor) for c in trainer.callbacks):
             trainer.callbacks.append(CommunicationMonitor())
+        # As every parallelkit strategy: SIGTERM (preemption, SLURM, torchrun) saves last.ckpt and exits cleanly.
+        # Lightning's own handler would stop the run without a checkpoint.
+        if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
+            trainer.callbacks.append(PreemptionCheckpoint())
         super().setup(trainer)
 
+    @override
     def _register_ddp_hooks(self) -> None:
         self.model.register_comm_hook(state=None, hook=self.comm_hook.ddp_hook())

@@ -13,14 +13,23 @@ the gradients every step: 1/`sync_every` of DDP's bytes.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
-from parallelkit import CommHook, ConfigError, FSDPTPStrategy, MeshSpec, parallelize, resolve_comm_hook
-from parallelkit.strategies.base import MeshShape
+from parallelkit import CheckpointError, CommHook, ConfigError, FSDPTPStrategy, MeshSpec, parallelize, resolve_comm_hook
+from parallelkit.strategies.base import FLAT, MeshShape
 
 
 class DiLoCoStrategy(FSDPTPStrategy):
@@ -99,9 +108,18 @@ class DiLoCoStrategy(FSDPTPStrategy):
             inner = self.device_mesh["tp"]  # nothing to shard: no FSDP, so no size-1 collectives either
         parallelize(self.model, inner, **self.parallelize_options())
 
+    def _trainable(self) -> list[tuple[str, torch.Tensor]]:
+        """Every trainable parameter with its name (the model's FQN, whatever the layout)."""
+        return [(name, p) for name, p in self.model.named_parameters() if p.requires_grad]
+
     def _local_parameters(self) -> list[torch.Tensor]:
         """This rank's part of every trainable parameter (DTensors' local shards, in place)."""
-        return [p.to_local() if isinstance(p, DTensor) else p for p in self.model.parameters() if p.requires_grad]
+        return [p.to_local() if isinstance(p, DTensor) else p for _, p in self._trainable()]
+
+    @property
+    def replica(self) -> int:
+        """This process's replica: its coordinate on the `replicate` axis."""
+        return self.device_mesh["replicate"].get_local_rank()
 
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._anchor is None:  # first step of this fit (fresh or resumed): the weights all replicas share
@@ -118,8 +136,9 @@ class DiLoCoStrategy(FSDPTPStrategy):
         super().on_train_end()
 
     @torch.no_grad()
-    def _set_anchor(self) -> None:
-        self._anchor = [p.detach().clone() for p in self._local_parameters()]
+    def _set_anchor(self, anchor: list[torch.Tensor] | None = None) -> None:
+        """Start the outer loop from `anchor` (local shards, one per trainable parameter; default: the weights now)."""
+        self._anchor = anchor if anchor is not None else [p.detach().clone() for p in self._local_parameters()]
         self._outer_optimizer = torch.optim.SGD(
             self._anchor,
             lr=self.outer_lr,
@@ -145,3 +164,104 @@ class DiLoCoStrategy(FSDPTPStrategy):
         self._outer_optimizer.zero_grad(set_to_none=True)
         for param, anchor in zip(local, self._anchor):
             param.copy_(anchor)
+
+    # -- checkpoints ---------------------------------------------------------------------------------------------
+    # The model and inner optimizer keys every strategy reads (`state_dict`, `optimizer_<i>`) hold replica 0's own
+    # state; the outer state and the other replicas' state go through `extra_state`, keyed by parameter name:
+    #   diloco.anchor.<fqn>                        weights of the last synchronisation (all replicas share them)
+    #   diloco.outer_momentum.<fqn>                the outer SGD's momentum buffer, once the first sync made one
+    #   diloco.replica<r>.optimizer_<i>.state.*    replica r's inner optimizer state (r >= 1; they never sync)
+    #   diloco.replica<r>.model.<fqn>              replica r's weights (r >= 1), only between two synchronisations
+    # Each is sharded as the parameter is inside a replica, so it loads under another inner layout.
+
+    def _between_syncs(self) -> bool:
+        """Whether the replicas' weights may differ now: a step was taken since the last synchronisation."""
+        return self._anchor is not None and self.lightning_module.trainer.global_step % self.sync_every != 0
+
+    def _replica_zero_only(self) -> bool:
+        # DCP writes a key that several ranks give once, from whichever rank it picks, tensor by tensor: from
+        # replicas whose weights and inner optimizer states differ, that would be a mixture no replica ever had.
+        return self._save_distributed_checkpoint and self.replica != 0
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        return {} if self._replica_zero_only() else super().lightning_module_state_dict()
+
+    @override
+    def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
+        return {} if self._replica_zero_only() else super().optimizer_state(optimizer)
+
+    @staticmethod
+    def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+        """`local` (this rank's part of a tensor shaped and sharded as `param`) as a tensor DCP can place."""
+        if not isinstance(param, DTensor):
+            return local
+        return DTensor.from_local(
+            local, param.device_mesh, param.placements, run_check=False, shape=param.shape, stride=param.stride()
+        )
+
+    @override
+    def extra_state(self) -> dict[str, Any]:
+        if self._anchor is None:  # no step taken yet: the model is all there is
+            return {}
+        state: dict[str, Any] = {}
+        for (name, param), anchor in zip(self._trainable(), self._anchor):
+            state[f"diloco.anchor.{name}"] = self._like(param, anchor)
+            momentum = self._outer_optimizer.state.get(anchor, {}).get("momentum_buffer")
+            if momentum is not None:
+                state[f"diloco.outer_momentum.{name}"] = self._like(param, momentum)
+        if self.replica != 0:
+            mine = f"diloco.replica{self.replica}"
+            for index, optimizer in enumerate(self.optimizers):
+                flat = get_optimizer_state_dict(self.model, optimizer, options=FLAT)
+                state.update({f"{mine}.optimizer_{index}.{k}": v for k, v in flat.items() if k.startswith("state.")})
+            if self._between_syncs():
+                state.update({f"{mine}.model.{k}": v for k, v in get_model_state_dict(self.model).items()})
+        return state
+
+    @override
+    @torch.no_grad()
+    def load_extra_state(self, read: Callable[[dict[str, Any]], dict[str, Any]]) -> None:
+        trainable = self._trainable()
+        template: dict[str, Any] = {}
+        for (name, param), local in zip(trainable, self._local_parameters()):
+            template[f"diloco.anchor.{name}"] = self._like(param, torch.empty_like(local))
+            template[f"diloco.outer_momentum.{name}"] = self._like(param, torch.empty_like(local))
+        # Replica 0's own state is the model's and optimizers' keys, which the base class has loaded already.
+        mine, others = f"diloco.replica{self.replica}", self.replica != 0
+        model = get_model_state_dict(self.model) if others else {}
+        template.update({f"{mine}.model.{k}": v for k, v in model.items()})
+        inner = [get_optimizer_state_dict(self.model, o, options=FLAT) if others else {} for o in self.optimizers]
+        for index, flat in enumerate(inner):
+            template.update({f"{mine}.optimizer_{index}.{k}": v for k, v in flat.items() if k.startswith("state.")})
+        found = read(template)
+
+        # This replica's own weights and inner optimizer state, where saved; a replica the checkpoint's run did not
+        # have continues from replica 0's.
+        weights = {k: v for k, v in model.items() if f"{mine}.model.{k}" in found}
+        if weights:
+            set_model_state_dict(self.model, weights, options=StateDictOptions(strict=False))
+        for index, (optimizer, flat) in enumerate(zip(self.optimizers, inner)):
+            own = {k for k in flat if f"{mine}.optimizer_{index}.{k}" in found}
+            if own:
+                set_optimizer_state_dict(self.model, optimizer, flat, options=FLAT)
+
+        names = [name for name, _ in trainable]
+        anchors = [found.get(f"diloco.anchor.{name}") for name in names]
+        if all(a is None for a in anchors):
+            # A checkpoint without outer state (another strategy's): the first step anchors at the loaded weights.
+            self._anchor, self._outer_optimizer = None, None
+            return
+        if any(a is None for a in anchors):
+            missing = [name for name, a in zip(names, anchors) if a is None]
+            raise CheckpointError(
+                f"the checkpoint holds DiLoCo's anchor for {len(names) - len(missing)} of {len(names)} parameters "
+                f"(missing: {', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}): it was written for "
+                "another model. Resume it with the model configuration it was saved from."
+            )
+        self._set_anchor([a.to_local() if isinstance(a, DTensor) else a for a in anchors])
+        for name, anchor in zip(names, self._anchor):
+            momentum = found.get(f"diloco.outer_momentum.{name}")
+            if momentum is not None:
+                local = momentum.to_local() if isinstance(momentum, DTensor) else momentum
+                self._outer_optimizer.state[anchor]["momentum_buffer"] = local
