@@ -166,10 +166,12 @@ def quiet_known_noise() -> None:
 
 def quiet_root_view_warning(root: Module) -> None:
     """FSDP2 warns when a sharded module returns a view: an in-place op on it would drop the module's pre-backward
-    hook. parallelkit runs every step as the root's forward (`ParallelkitStrategy._in_root_forward`), so a model
-    that calls `self(x)` inside its step calls the root a second time, and the output of that inner call (logits, a
-    view when tensor parallelism hands back its local shard) carries a hook that the step's own output already
-    carries. Only that warning, for this root class, is silenced; the same warning about any other module shows."""
+    hook, which gathers the module's parameters again for backward. Silenced, for this root class only, where that
+    hook has nothing to do: parallelkit runs every step as the root's forward (`ParallelkitStrategy._in_root_forward`),
+    so a model calling `self(x)` in its step calls the root a second time, and the output of that inner call
+    (logits: a view when tensor parallelism hands back its local shard) carries a hook that the step's own output
+    carries too; a pipeline stage's root keeps its parameters gathered until its backward (`reshard_after_forward`
+    "never", its default). The same warning about any other module still shows."""
     warnings.filterwarnings(
         "ignore",
         message=rf"FSDP2-wrapped module \({re.escape(type(root).__name__)}\) returned a view tensor",

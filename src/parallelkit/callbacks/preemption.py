@@ -9,6 +9,9 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
+from typing_extensions import override
+
+from parallelkit.compat import note_sigterm
 
 
 class PreemptionCheckpoint(L.Callback):
@@ -23,17 +26,18 @@ class PreemptionCheckpoint(L.Callback):
     this callback itself: those built on `ParallelkitStrategy` (plugins' included, e.g. DiLoCo) and `ddp_comm`.
     """
 
+    @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if threading.current_thread() is not threading.main_thread():
             return
-        connector = trainer._signal_connector  # Lightning keeps the flag its loop broadcasts here
 
-        def note_sigterm(signum: int, frame: object) -> None:
-            connector.received_sigterm = True
+        def on_sigterm(signum: int, frame: object) -> None:
+            note_sigterm(trainer)
 
         # Lightning restores the previous handlers when the trainer tears down.
-        signal.signal(signal.SIGTERM, note_sigterm)
+        signal.signal(signal.SIGTERM, on_sigterm)
 
+    @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
         if not isinstance(exception, SIGTERMException):
             return

@@ -10,7 +10,6 @@ precision in place of autocast. Its DCP checkpoints are kept, made atomic and la
 
 from __future__ import annotations
 
-import atexit
 from abc import abstractmethod
 from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -19,10 +18,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
-from lightning.fabric.utilities.distributed import _destroy_dist_connection
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from typing_extensions import override
 
@@ -31,7 +28,14 @@ from parallelkit.callbacks.preemption import PreemptionCheckpoint
 from parallelkit.checkpoint import check_compatible, publish, remove, staging_path
 from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
-from parallelkit.compat import quiet_root_view_warning, run_as_forward
+from parallelkit.compat import (
+    destroy_process_groups_at_exit,
+    quiet_root_view_warning,
+    run_as_forward,
+    saves_distributed_checkpoint,
+    set_device_mesh,
+    setup_distributed,
+)
 from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import clip_grad_norm_
 from parallelkit.init import has_meta_tensors, materialize, meta_parameters
@@ -48,17 +52,6 @@ list that DCP keeps from rank 0 only, and a pipeline stage 1 loading it finds no
 
 PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
 """Trainer precisions a parallelkit strategy runs, with the dtype FSDP2 computes in (None: fp32)."""
-
-
-def destroy_process_groups_at_exit() -> None:
-    """Destroy torch.distributed's process groups when the interpreter exits, whatever the backend.
-
-    Lightning does this for NCCL only. A gloo group left to the interpreter's finalisation can abort a process
-    whose training succeeded ("terminate called without an active exception", exit -6): its worker threads are
-    destroyed after Python is gone (pytorch/pytorch#190489). Idempotent.
-    """
-    atexit.unregister(_destroy_dist_connection)
-    atexit.register(_destroy_dist_connection)
 
 
 class ShardedPrecision(Precision):
@@ -78,9 +71,11 @@ class ShardedPrecision(Precision):
     def param_dtype(self) -> torch.dtype | None:
         return PRECISIONS[self.precision]
 
+    @override
     def convert_module(self, module: torch.nn.Module) -> torch.nn.Module:
         return module.to(torch.bfloat16) if self.precision == "bf16-true" else module
 
+    @override
     def clip_grad_by_norm(self, optimizer: torch.optim.Optimizer, clip_val: int | float) -> None:
         clip_grad_norm_(self.main_params(optimizer), clip_val, stage_group=self.stage_group)
 
@@ -133,13 +128,14 @@ class ParallelkitStrategy(ModelParallelStrategy):
             )
         self.comm_hook = resolve_comm_hook(self.comm_precision)
 
+    @override
     def _configure_launcher(self) -> None:
         # Lightning calls this once it has given the strategy its devices, nodes and precision, and before it
         # launches: the last moment to fail fast on bad options or a mesh that does not fit, with no process
         # group yet.
         self.check_options()
         shape = self.auto_mesh(self.num_nodes, self.num_processes) if self.mesh_shape == "auto" else self.mesh_shape
-        self.mesh_spec = self._full_spec(MeshSpec.parse(shape).resolve(self.num_nodes, self.num_processes))
+        self.mesh_spec = self.full_mesh_spec(MeshSpec.parse(shape).resolve(self.num_nodes, self.num_processes))
         if not isinstance(self.precision_plugin, ShardedPrecision):
             self.precision_plugin = ShardedPrecision(self.precision_plugin.precision)
         if self.cpu_offload and self.root_device.type == "cpu":
@@ -174,30 +170,37 @@ class ParallelkitStrategy(ModelParallelStrategy):
         """The mesh `mesh_shape="auto"` resolves to once the model is known; None keeps `auto_mesh`'s."""
         return None
 
-    def _full_spec(self, spec: MeshSpec) -> MeshSpec:
+    @property
+    def save_distributed_checkpoint(self) -> bool:
+        """Whether checkpoints are sharded (a DCP directory, each rank writing its shards) or one file from rank 0."""
+        return saves_distributed_checkpoint(self)
+
+    def full_mesh_spec(self, spec: MeshSpec) -> MeshSpec:
         """`spec` with every required axis present, so code can always index `mesh["tp"]`, `mesh["fsdp"]`."""
         sizes = dict(zip(spec.names, spec.sizes))
         names = [axis for axis in ("pp", "replicate", "fsdp", "tp") if axis in sizes or axis in self.required_axes]
         return MeshSpec(tuple(sizes.get(axis, 1) for axis in names), tuple(names))
 
     # -- process groups --------------------------------------------------------------------------------------
+    @override
     def setup_environment(self) -> None:
-        self._setup_distributed()
+        setup_distributed(self)
         destroy_process_groups_at_exit()
         if self.mesh_shape == "auto":
             planned = self.planned_mesh()
             if planned is not None:
-                self.mesh_spec = self._full_spec(planned.resolve(self.num_nodes, self.num_processes))
-        self._device_mesh = self.mesh_spec.build(self.root_device.type)
+                self.mesh_spec = self.full_mesh_spec(planned.resolve(self.num_nodes, self.num_processes))
         # The escape hatch: a model that overrides configure_model() parallelises itself with this mesh.
-        self.lightning_module._device_mesh = self._device_mesh
+        set_device_mesh(self, self.mesh_spec.build(self.root_device.type))
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.mesh_spec.dp_size, "rank": self.mesh_spec.dp_rank(self.global_rank)}
 
     # -- training-step hooks ---------------------------------------------------------------------------------
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulation micro-steps keep gradients local: no reduce-scatter / all-reduce until the last one."""
         from torch.distributed.fsdp import FSDPModule
@@ -221,6 +224,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
 
     # -- model setup -----------------------------------------------------------------------------------------
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Where `Trainer.init_module()` (and `configure_model()`) build the model: with `meta_init` (or
         `empty_init=True`) its parameters go to the meta device and are allocated, sharded, in `setup`."""
@@ -246,11 +250,8 @@ class ParallelkitStrategy(ModelParallelStrategy):
     def parallelize_model(self, trainer: Any) -> None:
         """Make `self.model` parallel over `self.device_mesh`."""
 
+    @override
     def setup(self, trainer: Any) -> None:
-        from lightning.fabric.utilities.optimizer import _optimizers_to_device
-
-        assert self.model is not None and self.accelerator is not None
-        self.accelerator.setup(trainer)
         if self.profile_communication and not any(isinstance(c, CommunicationMonitor) for c in trainer.callbacks):
             trainer.callbacks.append(CommunicationMonitor())
         if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
@@ -263,16 +264,11 @@ class ParallelkitStrategy(ModelParallelStrategy):
         quiet_root_view_warning(self.model)
         if has_meta_tensors(self.model):
             materialize(self.model, torch.device("cpu") if self.cpu_offload else self.root_device, built)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.barrier()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        # The rest as any Lightning strategy does it (precision, device, optimizers). Not ModelParallelStrategy's
+        # setup: it insists on a configure_model() and materialises meta tensors its own way.
+        Strategy.setup(self, trainer)
 
+    @override
     def model_to_device(self) -> None:
         if not self.cpu_offload:  # FSDP2's offload policy decides where sharded parameters live
             super().model_to_device()
@@ -314,7 +310,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
         if self.is_global_zero:
             remove(staging)  # left by a crashed save
         self.barrier()
-        if self._save_distributed_checkpoint and storage_options is None:
+        if self.save_distributed_checkpoint and storage_options is None:
             self._save_sharded(checkpoint, staging)
         else:
             if "optimizer_states" in checkpoint and self.extra_state():
@@ -351,7 +347,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
 
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
-        if not self._save_distributed_checkpoint:
+        if not self.save_distributed_checkpoint:
             return super().optimizer_state(optimizer)
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
@@ -446,22 +442,27 @@ class ParallelkitStrategy(ModelParallelStrategy):
             return run_as_forward(module, method, *args, **kwargs)
         return getattr(module, method)(*args, **kwargs)
 
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.loss_context(), self.precision_plugin.train_step_context():
             return self._in_root_forward("training_step", *args, **kwargs)
 
+    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.loss_context(), self.precision_plugin.val_step_context():
             return self._in_root_forward("validation_step", *args, **kwargs)
 
+    @override
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.loss_context(), self.precision_plugin.test_step_context():
             return self._in_root_forward("test_step", *args, **kwargs)
 
+    @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._in_root_forward("predict_step", *args, **kwargs)
 
+    @override
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         with self.loss_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)

@@ -24,7 +24,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from typing_extensions import override
 
 from parallelkit.comm import CommHook
-from parallelkit.compat import saves_distributed_checkpoint, skip_loop_backward
+from parallelkit.compat import quiet_root_view_warning, skip_loop_backward
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.mesh import data_parallel_group
 from parallelkit.plan import parallelize, pipeline_layer_names, split_stages
@@ -164,7 +164,7 @@ class PipelineStrategy(ParallelkitStrategy):
                 f"mesh_shape {self.mesh_spec} has pp={self.pp_size}; pipeline schedules need a pp axis of at "
                 'least 2, e.g. [[2, 2], ["pp", "fsdp"]]. For no pipeline, use strategy="fsdp_tp".'
             )
-        if not saves_distributed_checkpoint(self):
+        if not self.save_distributed_checkpoint:
             raise ConfigError(
                 "save_distributed_checkpoint=False writes one file from rank 0, which holds only the first pipeline "
                 "stage. Keep the sharded default and take one file with: parallelkit consolidate CKPT_DIR OUT.pt"
@@ -202,6 +202,9 @@ class PipelineStrategy(ParallelkitStrategy):
         # Loop placement, as torch's interleaved schedules expect: rank r holds stages r, r + pp, r + 2 pp, ...
         mine = [pp_mesh.get_local_rank() + i * self.pp_size for i in range(self.stages_per_rank)]
         modules = parallelize(module, self.device_mesh, stages=[stages[i] for i in mine], **self.parallelize_options())
+        if self.reshard_after_forward != "always":
+            for stage in modules:
+                quiet_root_view_warning(stage)
         pipeline_stages = [
             PipelineStage(stage, index, self.num_stages, self.root_device, group=pp_mesh.get_group())
             for index, stage in zip(mine, modules)

@@ -91,14 +91,14 @@ class DiLoCoStrategy(FSDPTPStrategy):
     def auto_mesh(self, num_nodes: int, devices: int) -> MeshShape:
         return [[-1], ["replicate"]]
 
-    def _full_spec(self, spec: MeshSpec) -> MeshSpec:
+    def full_mesh_spec(self, spec: MeshSpec) -> MeshSpec:
         if "replicate" not in spec.names:
             raise ConfigError(
                 f"strategy diloco needs a 'replicate' axis (the replicas that synchronise every sync_every steps), "
                 f'but mesh_shape is {spec}. Fix: [[{spec.world_size}], ["replicate"]], or put replicate outermost '
                 f"before the inner axes: {MeshSpec((1, *spec.sizes), ('replicate', *spec.names))} with its size."
             )
-        return super()._full_spec(spec)
+        return super().full_mesh_spec(spec)
 
     # -- the replicas --------------------------------------------------------------------------------------------
     def parallelize_model(self, trainer: Any) -> None:
@@ -121,6 +121,7 @@ class DiLoCoStrategy(FSDPTPStrategy):
         """This process's replica: its coordinate on the `replicate` axis."""
         return self.device_mesh["replicate"].get_local_rank()
 
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._anchor is None:  # first step of this fit (fresh or resumed): the weights all replicas share
             self._set_anchor()
@@ -129,6 +130,7 @@ class DiLoCoStrategy(FSDPTPStrategy):
             self.synchronize()
         return output
 
+    @override
     def on_train_end(self) -> None:
         # The replicas end where they are; the model a user keeps is their synchronised one.
         if self._anchor is not None and self.lightning_module.trainer.global_step % self.sync_every:
@@ -181,7 +183,7 @@ class DiLoCoStrategy(FSDPTPStrategy):
     def _replica_zero_only(self) -> bool:
         # DCP writes a key that several ranks give once, from whichever rank it picks, tensor by tensor: from
         # replicas whose weights and inner optimizer states differ, that would be a mixture no replica ever had.
-        return self._save_distributed_checkpoint and self.replica != 0
+        return self.save_distributed_checkpoint and self.replica != 0
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

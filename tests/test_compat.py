@@ -1,0 +1,158 @@
+"""The private Lightning and torch names parallelkit relies on: each listed here, each checked against the installed
+versions, and none used outside `parallelkit.compat`. An upgrade that moves one fails here, naming it."""
+
+import ast
+import importlib
+import inspect
+import io
+import re
+import tokenize
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from conftest import REPO
+from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from parallelkit import compat
+
+
+def resolve(dotted: str):
+    """The object at a dotted path: a module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            obj = getattr(obj, part)
+        return obj
+    raise ImportError(dotted)
+
+
+CALLABLES = {
+    "lightning.fabric.utilities.distributed._destroy_dist_connection": "()",
+    "lightning.pytorch.strategies.ModelParallelStrategy._setup_distributed": "(self)",
+    "lightning.pytorch.strategies.strategy._ForwardRedirection.__call__": (
+        "(self, wrapper_module, original_module, method_name, *args, **kwargs)"
+    ),
+    "lightning.pytorch.loops.fit_loop._FitLoop._should_accumulate": "(self)",
+    "torch.distributed.device_mesh.DeviceMesh._flatten": "(self, mesh_dim_name=None, backend_override=None)",
+    "torch.distributed._composable.checkpoint": "(module, **kwargs)",
+    "torch.nn.Module._apply": "(self, fn, recurse=True)",
+    **compat.OVERRIDDEN,
+}
+"""Private functions and methods parallelkit calls or overrides, with the parameters it relies on."""
+
+
+def parameters(function) -> str:
+    """A signature as written above: names, `*`/`**` and defaults, no annotations."""
+    shown = []
+    for p in inspect.signature(function).parameters.values():
+        star = {p.VAR_POSITIONAL: "*", p.VAR_KEYWORD: "**"}.get(p.kind, "")
+        shown.append(star + p.name + ("" if p.default is p.empty else f"={p.default!r}"))
+    return f"({', '.join(shown)})"
+
+
+@pytest.mark.parametrize("dotted", sorted(CALLABLES))
+def test_private_callable_exists_with_the_signature_used(dotted):
+    assert parameters(resolve(dotted)) == CALLABLES[dotted], f"{dotted} changed; parallelkit.compat relies on it"
+
+
+def test_private_attributes_exist_on_the_objects_that_hold_them():
+    trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
+    assert isinstance(trainer.fit_loop._skip_backward, bool)  # compat.skip_loop_backward
+    assert trainer._signal_connector.received_sigterm is False  # compat.note_sigterm
+    strategy = ModelParallelStrategy(save_distributed_checkpoint=False)
+    assert strategy._device_mesh is None  # compat.set_device_mesh
+    assert strategy._save_distributed_checkpoint is False  # compat.saves_distributed_checkpoint
+    assert L.LightningModule()._device_mesh is None
+    assert "_flatten_mapping" in inspect.getsource(DeviceMesh)  # compat.flattened_meshes (set when a mesh is built)
+    assert hasattr(compat.dispatch_mode_class(), "__torch_dispatch__")
+    assert "_local_tensor" in DTensor.__annotations__  # compat.storage_key (building a DTensor needs a mesh)
+    monitor = ThroughputMonitor(batch_size_fn=len)
+    assert monitor._throughputs == {}  # compat.throughputs
+
+
+def test_private_tensor_apis_still_answer():
+    weight = torch.nn.Parameter(torch.ones(4, 2))
+    assert compat.view_base(weight.t()) is weight and compat.view_base(weight) is weight
+    a, b = torch.ones(3, device="meta"), torch.ones(3, device="meta")
+    assert compat.storage_key(a)[1] == 12 and compat.storage_key(a) != compat.storage_key(b)  # not their address
+    module = torch.nn.Linear(2, 2, device="meta")
+    compat.apply_to_tensors(module, lambda t: torch.zeros_like(t, device="cpu"))
+    assert module.weight.device.type == "cpu" and isinstance(module.weight, torch.nn.Parameter)
+    q = torch.randn(1, 2, 4, 8)
+    expected = torch.nn.functional.scaled_dot_product_attention(q, q, q, is_causal=True)
+    torch.testing.assert_close(compat.flash_attention_on_cpu(q, q, q, True, None), expected)
+    block = torch.nn.Linear(2, 2)
+    compat.composable_checkpoint(block)
+    block(torch.ones(1, 2, requires_grad=True)).sum().backward()
+
+
+SOURCES = [p for p in (REPO / "src").rglob("*.py") if p.name != "compat.py"] + list(REPO.glob("plugins/*/src/**/*.py"))
+
+
+def module_of(path: Path):
+    parts = path.relative_to(REPO).with_suffix("").parts
+    dotted = ".".join(parts[parts.index("src") + 1 :])
+    return importlib.import_module(dotted.removesuffix(".__init__"))
+
+
+def private_uses(path: Path) -> list[str]:
+    """`x._name` (x not self/cls) in code, not strings or comments, and imports of private names or modules from
+    torch and lightning."""
+    found = []
+    tokens = [t for t in tokenize.generate_tokens(io.StringIO(path.read_text()).readline) if t.type != tokenize.NL]
+    for before, dot, name in zip(tokens, tokens[1:], tokens[2:]):
+        private = name.type == tokenize.NAME and name.string.startswith("_") and not name.string.startswith("__")
+        if dot.string == "." and private and before.string not in ("self", "cls", ")"):
+            found.append(f"{before.string}.{name.string}")
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("torch", "lightning"):
+            names = [node.module, *(alias.name for alias in node.names)]
+            found += [n for n in names if any(part.startswith("_") for part in n.split("."))]
+    return found
+
+
+def lightning_private_names(cls: type) -> set[str]:
+    """Private attributes and methods the Lightning classes in `cls`'s ancestry use or define."""
+    names = set()
+    for base in cls.__mro__:
+        if base.__module__.startswith("lightning"):
+            names |= set(re.findall(r"(?:self\.|def )(_[a-z]\w*)", inspect.getsource(base)))
+    return names
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
+def test_no_module_but_compat_reaches_for_a_private_name(path):
+    assert not private_uses(path), f"{path}: route these through parallelkit.compat: {private_uses(path)}"
+    overridden = {name.rsplit(".", 1)[1] for name in compat.OVERRIDDEN}
+    module = module_of(path)
+    for cls in vars(module).values():
+        if not (isinstance(cls, type) and cls.__module__ == module.__name__):
+            continue
+        mine = set(re.findall(r"(?:self\.|super\(\)\.)(_[a-z]\w*)", inspect.getsource(cls)))
+        shared = (mine & lightning_private_names(cls)) - overridden
+        assert not shared, f"{cls.__name__} uses Lightning's private {sorted(shared)}: route through parallelkit.compat"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(REPO)))
+def test_every_override_of_a_lightning_method_is_marked(path):
+    """As Lightning marks its own: a hook renamed upstream then fails loudly instead of never being called."""
+    module = module_of(path)
+    for cls in vars(module).values():
+        if not (isinstance(cls, type) and cls.__module__ == module.__name__):
+            continue
+        for name, member in vars(cls).items():
+            function = getattr(member, "fget", None) or getattr(member, "__func__", member)
+            inherited = any(name in vars(b) for b in cls.__mro__[1:] if b.__module__.startswith("lightning"))
+            if inherited and callable(function) and not name.startswith("__"):
+                assert getattr(function, "__override__", False), (
+                    f"{cls.__name__}.{name} overrides Lightning's: @override"
+                )
