@@ -89,6 +89,10 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         plan("--config", "missing.yaml", "--device-memory", "80GB"),
         ["--config missing.yaml cannot be read: No such file or directory", "Fix: the path of a YAML file"],
     ),
+    "fit with a config file that does not exist": (
+        lambda tmp: parallelkit("fit", "--config", "configs/hybird.yaml", cwd=tmp, timeout=120),
+        ["--config configs/hybird.yaml cannot be read: No such file or directory", "Fix: the path of a YAML file"],
+    ),
     "YAML syntax error": (
         lambda tmp: parallelkit("fit", "--config", bad_yaml(tmp), cwd=tmp, timeout=120),
         ["run.yaml is not valid YAML at line 4, column 6", "expected ',' or ']'", "Fix the YAML there"],

@@ -439,10 +439,11 @@ def report(err: ParallelkitError, launcher_pid: int) -> None:
 
 
 def _config_files(args: Sequence[str]) -> list[str]:
-    """The existing files given to `--config`/`-c` (jsonargparse also takes inline YAML, and names a missing file)."""
+    """The files given to `--config`/`-c`: those that exist, and those named like a config file that do not
+    (jsonargparse also takes inline YAML there, and reports a missing file inside a screen of usage)."""
     paths = [b for a, b in zip(args, args[1:]) if a in ("--config", "-c")]
     paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
-    return [p for p in paths if Path(p).is_file()]
+    return [p for p in paths if Path(p).is_file() or p.endswith((".yaml", ".yml", ".json"))]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
