@@ -321,6 +321,8 @@ class PipelineStrategy(ParallelkitStrategy):
         dist.broadcast_object_list(shared, src=self._last_stage_rank, group=self._pp_group)
         return shared[0]
 
+    @override
+    def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
         loss = self._run(batch, train=False)
         self.lightning_module.log("test_loss", loss, on_epoch=True, sync_dist=True, sync_dist_group=self._dp_group)
 
