@@ -1,11 +1,17 @@
 """The in-run monitors, as a user sees them: figures in the CSV logger's metrics.csv of a 2-process run."""
 
 import json
+import statistics
 import struct
 from pathlib import Path
 
 import pytest
 from conftest import REPO, assert_ok, assert_same_losses, common, fit, step_losses
+
+# The configs' model (configs/hybrid.yaml) and batch, for the hand counts below.
+N_LAYER, N_EMBD, VOCAB, MLP_RATIO, SEQ_LEN, BATCH = 2, 64, 256, 4, 64, 4
+STEPS, WINDOW = 8, 5  # ThroughputMonitor's rates need a full window of 5 steps: they appear from step 4
+SLOW_RANK_S = 0.25
 
 
 @pytest.fixture(scope="module")
@@ -13,45 +19,129 @@ def tp2(tmp_path_factory, corpus) -> Path:
     """hybrid.yaml (monitors on) on [[1, 2]]: two tensor-parallel ranks sharing one batch per step."""
     root = tmp_path_factory.mktemp("monitors")
     mesh = ['--trainer.strategy.mesh_shape=[[1, 2], ["fsdp", "tp"]]', "--trainer.devices=2"]
-    assert_ok(fit("hybrid.yaml", root, *common(corpus, root / "cache", steps=8), *mesh))
+    assert_ok(fit("hybrid.yaml", root, *common(corpus, root / "cache", steps=STEPS), *mesh))
     return root
 
 
-def test_throughput_counts_replicas_not_processes(tp2):
-    samples, device = step_losses(tp2, "train/samples_per_sec"), step_losses(tp2, "train/device/samples_per_sec")
-    tokens = step_losses(tp2, "train/items_per_sec")
-    assert samples and samples.keys() == tokens.keys()
-    for step in samples:
-        assert samples[step] == pytest.approx(device[step])  # one replica: the two tp ranks share its batch
-        assert tokens[step] == pytest.approx(64 * samples[step])  # seq_len 64
-    flops, device_flops = step_losses(tp2, "train/flops_per_sec"), step_losses(tp2, "train/device/flops_per_sec")
-    for step in flops:
-        assert flops[step] == pytest.approx(2 * device_flops[step])  # each tp rank does half the work
-
-
-def test_rank_monitor_logs_step_time_straggler_ratio_and_memory(tp2):
-    straggler, step_s = step_losses(tp2, "rank/straggler"), step_losses(tp2, "rank/step_s")
-    assert sorted(straggler) == list(range(8))
-    assert all(ratio >= 1.0 for ratio in straggler.values())
-    assert all(step_s[s] <= step_losses(tp2, "rank/step_s_max")[s] for s in step_s)
-    peak, state = step_losses(tp2, "memory/peak_mb"), step_losses(tp2, "memory/state_mb")
-    activations = step_losses(tp2, "memory/activations_mb")
-    for step in peak:
-        assert peak[step] == pytest.approx(state[step] + activations[step]) and activations[step] > 0
-    assert step_losses(tp2, "memory/rss_peak_mb")[7] > peak[7]  # the process holds more than its tensors
-
-
-def test_pytorch_profiler_writes_a_trace_per_rank(tmp_path, corpus):
+@pytest.fixture(scope="module")
+def dp2(tmp_path_factory, corpus) -> Path:
+    """hybrid.yaml on [[2, 1]]: two data-parallel replicas, each with its own batch. Rank 1 is made a straggler
+    (it sleeps SLOW_RANK_S in every step, after the step's last collective), and torch's profiler is on."""
+    root = tmp_path_factory.mktemp("monitors_dp2")
+    mesh = ['--trainer.strategy.mesh_shape=[[2, 1], ["fsdp", "tp"]]', "--trainer.devices=2"]
     profiler = [
         "--trainer.profiler=lightning.pytorch.profilers.PyTorchProfiler",
-        f"--trainer.profiler.dirpath={tmp_path / 'prof'}",
+        f"--trainer.profiler.dirpath={root / 'prof'}",
         "--trainer.profiler.filename=trace",
         "--trainer.profiler.export_to_chrome=true",
     ]
-    mesh = ['--trainer.strategy.mesh_shape=[[2, 1], ["fsdp", "tp"]]', "--trainer.devices=2"]
-    assert_ok(fit("hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache", steps=3), *mesh, *profiler))
+    slow = (
+        '--trainer.callbacks+={"class_path": "monitor_callbacks.SlowRank", '
+        f'"init_args": {{"rank": 1, "seconds": {SLOW_RANK_S}}}}}'
+    )
+    assert_ok(fit("hybrid.yaml", root, *common(corpus, root / "cache", steps=STEPS), *mesh, *profiler, slow))
+    return root
+
+
+EVERY_STEP = [
+    "train_loss",
+    "train/time",
+    "train/samples",
+    "rank/step_s",
+    "rank/step_s_max",
+    "rank/straggler",
+    "memory/peak_mb",
+    "memory/state_mb",
+    "memory/activations_mb",
+    "memory/rss_peak_mb",
+]
+RATES = [
+    "train/samples_per_sec",
+    "train/items_per_sec",
+    "train/flops_per_sec",
+    "train/device/samples_per_sec",
+    "train/device/items_per_sec",
+    "train/device/flops_per_sec",
+]
+
+
+@pytest.mark.parametrize("run", ["tp2", "dp2"])
+def test_every_monitor_metric_is_logged_at_every_step(request, run):
+    metrics = request.getfixturevalue(run)
+    for key in EVERY_STEP:
+        assert sorted(step_losses(metrics, key)) == list(range(STEPS)), key
+    for key in RATES:
+        assert sorted(step_losses(metrics, key)) == list(range(WINDOW - 1, STEPS)), key
+
+
+def flops_per_sample() -> int:
+    """The reference GPT's training FLOPs per sample, by hand (PaLM's accounting): 6 per weight of every matrix
+    multiply (blocks: q, k, v, proj = 4 d^2, up and down = 2 x 4 d^2; the head V d; the embedding is a lookup) per
+    token, plus 12 x d x seq_len per block per token for attention."""
+    matmul = N_LAYER * (4 + 2 * MLP_RATIO) * N_EMBD**2 + VOCAB * N_EMBD
+    return (6 * matmul + 12 * N_LAYER * N_EMBD * SEQ_LEN) * SEQ_LEN
+
+
+@pytest.mark.parametrize(("run", "dp"), [("tp2", 1), ("dp2", 2)])
+def test_throughput_is_the_jobs_global_batch_over_the_step_time(request, run, dp):
+    """Job-wide samples/s = global batch (BATCH per replica x dp replicas; tp ranks share theirs) per second of the
+    logged clock; = dp x one replica's; tokens = seq_len x samples; FLOPs = the whole model's per sample, whatever
+    the layout, and each of the 2 processes does half of them."""
+    metrics = request.getfixturevalue(run)
+    clock = step_losses(metrics, "train/time")
+    samples = step_losses(metrics, "train/samples_per_sec")
+    device = step_losses(metrics, "train/device/samples_per_sec")
+    tokens, flops = step_losses(metrics, "train/items_per_sec"), step_losses(metrics, "train/flops_per_sec")
+    device_flops = step_losses(metrics, "train/device/flops_per_sec")
+    assert sorted(samples) == list(range(WINDOW - 1, STEPS))
+    for step in samples:
+        elapsed = clock[step] - clock[step - (WINDOW - 1)]
+        assert samples[step] == pytest.approx(BATCH * dp * (WINDOW - 1) / elapsed, rel=1e-9)
+        assert samples[step] == dp * device[step]
+        assert tokens[step] == pytest.approx(SEQ_LEN * samples[step], rel=1e-12)
+        assert flops[step] == pytest.approx(flops_per_sample() * samples[step], rel=1e-12)
+        assert flops[step] == 2 * device_flops[step]
+
+
+def state_bytes(fsdp: int, tp: int) -> int:
+    """Parameters + gradients + AdamW's two moments, fp32, as one rank holds them: tp shards every matrix (the
+    embedding and head by vocabulary) and replicates the 2 norms per block and the final one; fsdp then splits
+    what is left evenly (every dimension here is divisible by 2, so FSDP2 adds no padding)."""
+    matrices = N_LAYER * (4 + 2 * MLP_RATIO) * N_EMBD**2 + 2 * VOCAB * N_EMBD
+    norms = (2 * N_LAYER + 1) * N_EMBD
+    local, remainder = divmod(matrices // tp + norms, fsdp)
+    assert remainder == 0 and matrices % tp == 0
+    return 4 * 4 * local
+
+
+@pytest.mark.parametrize(("run", "fsdp", "tp"), [("tp2", 1, 2), ("dp2", 2, 1)])
+def test_state_memory_is_the_local_shards_of_parameters_gradients_and_adamw_moments(request, run, fsdp, tp):
+    metrics = request.getfixturevalue(run)
+    expected = state_bytes(fsdp, tp) / 2**20  # a multiple of 1/2048 MB: exact in the logged float32
+    state = step_losses(metrics, "memory/state_mb")
+    assert sorted(state) == list(range(STEPS)) and set(state.values()) == {expected}
+    peak, activations = step_losses(metrics, "memory/peak_mb"), step_losses(metrics, "memory/activations_mb")
+    for step in peak:
+        assert peak[step] == pytest.approx(state[step] + activations[step], rel=1e-6) and activations[step] > 0
+    assert step_losses(metrics, "memory/rss_peak_mb")[STEPS - 1] > peak[STEPS - 1]  # Python and libraries too
+
+
+def test_rank_monitor_gathers_every_ranks_step_time_and_names_the_straggler(dp2):
+    """Rank 1 sleeps SLOW_RANK_S per step; rank 0, which logs, does not: the slowest time logged is rank 1's, the
+    median of 2 ranks is their mean, and the straggler ratio is slowest / median."""
+    straggler, step_s = step_losses(dp2, "rank/straggler"), step_losses(dp2, "rank/step_s")
+    slowest = step_losses(dp2, "rank/step_s_max")
+    assert sorted(straggler) == sorted(step_s) == sorted(slowest) == list(range(STEPS))
+    for step in straggler:
+        assert slowest[step] >= SLOW_RANK_S
+        assert straggler[step] == pytest.approx(slowest[step] / step_s[step], rel=1e-6)
+    # The median is not the slow rank's time: about SLOW_RANK_S / 2 below it (over the steps, for a loaded machine).
+    assert statistics.median(slowest[s] - step_s[s] for s in step_s) > SLOW_RANK_S / 4
+
+
+def test_pytorch_profiler_writes_a_trace_per_rank(dp2):
     for rank in (0, 1):
-        (trace,) = (tmp_path / "prof").glob(f"fit-trace-{rank}-*FSDPTPStrategy.training_step*.pt.trace.json")
+        (trace,) = (dp2 / "prof").glob(f"fit-trace-{rank}-*FSDPTPStrategy.training_step*.pt.trace.json")
         events = json.loads(trace.read_text())["traceEvents"]
         assert any("aten::mm" in event.get("name", "") for event in events)  # the model's matmuls are in it
 

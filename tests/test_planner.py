@@ -8,9 +8,11 @@ import torch
 from conftest import REPO, assert_ok, common, fit, parallelkit, step_losses
 from rich.text import Text
 
+from parallelkit.callbacks.activations import SavedTensorWindow
 from parallelkit.cli import PLAN_COLUMNS, PLAN_TABLE_OMITS
 from parallelkit.mesh import MeshSpec
 from parallelkit.models import GPT
+from parallelkit.models.gpt import Block
 from parallelkit.plan import split_stages
 from parallelkit.planner import Estimate, Hardware, Workload, estimate, plan, profile
 
@@ -36,11 +38,16 @@ def reference_gpt_on_meta() -> GPT:
         ("1f1b.yaml", [], '[[2, 1, 1], ["pp", "fsdp", "tp"]]', 8, "1f1b"),
     ],
 )
-def test_estimated_peak_is_within_20_percent_of_the_memory_monitor(
+def test_estimated_peak_is_within_12_percent_of_the_memory_monitor(
     tmp_path, corpus, config, overrides, mesh, micro_batch, schedule
 ):
+    """The planner's tensor peak (state + activations) against RankMonitor's CPU figure for the same run: the state
+    exactly where every rank holds the same (no pipeline), the whole within 12% (measured: [[4, 1]] +0.8%, [[2, 2]]
+    -4.6%, 1F1B pp=2 -11.1%). Both count activations with the saved-tensor ledger, which
+    test_saved_tensor_ledger_counts_what_one_gpt_block_keeps_for_backward holds to a hand count."""
     assert_ok(fit(config, tmp_path, *common(corpus, tmp_path / "cache", steps=3), *overrides))
     measured = max(step_losses(tmp_path, "memory/peak_mb").values()) * 2**20  # RankMonitor, largest rank
+    measured_state = set(step_losses(tmp_path, "memory/state_mb").values())
 
     model = reference_gpt_on_meta()
     prof = profile(model, seq_len=64, tp_degrees=(1, 2))
@@ -50,7 +57,46 @@ def test_estimated_peak_is_within_20_percent_of_the_memory_monitor(
         by_name = {layer.name: layer for layer in prof.layers}
         stages = [[by_name[n] for n in s] for s in split_stages(model, [x.name for x in prof.layers], spec.size("pp"))]
     e = estimate(prof, spec, Workload(64, micro_batch), Hardware(1, 4, 1e12), schedule, 4 if schedule else None, stages)
-    assert e.tensor_peak == pytest.approx(measured, rel=0.2), (e.as_dict(), measured)
+    if schedule is None:  # every rank holds the same state (pipeline stages do not)
+        assert measured_state == {e.state / 2**20}  # exact: a multiple of 1/4096 MB
+    assert e.tensor_peak == pytest.approx(measured, rel=0.12), (e.as_dict(), measured)
+
+
+def test_saved_tensor_ledger_counts_what_one_gpt_block_keeps_for_backward():
+    """The ledger behind RankMonitor's and ActivationMemoryMonitor's CPU activation figures, and the planner's, held
+    to a count by hand of what autograd (torch 2.13, CPU) saves in one reference-GPT block: on a real batch, and in
+    the planner's meta profile of the configs' model. Parameters are not counted; a storage saved twice counts once."""
+    batch, seq, d, heads, hidden = 2, 8, 64, 4, 4 * 64
+    head_dim = d // heads
+
+    def by_hand(batch: int) -> int:
+        n = batch * seq  # tokens
+        saved = {  # elements
+            "attn_norm (RMSNorm): its input x, x * rsqrt(mean(x^2) + eps), and rsqrt(...)": 2 * n * d + n,
+            "attn.q, attn.k, attn.v: their one input, attn_norm's output": n * d,
+            "rotary on q and on k: cos and sin (seq x head_dim / 2 each)": 2 * 2 * seq * head_dim // 2,
+            "attention (CPU flash kernel): rotated q and k, v, the output": 4 * n * d,
+            "attention: the log-sum-exp per head and position": batch * heads * seq,
+            "attn.proj: its input, the heads merged back (a copy)": n * d,
+            "mlp_norm: its input (the residual sum), x * rsqrt, and rsqrt": 2 * n * d + n,
+            "mlp.up: its input, mlp_norm's output": n * d,
+            "gelu: its input, up's output": n * hidden,
+            "mlp.down: its input, gelu's output": n * hidden,
+        }
+        return 4 * sum(saved.values())  # fp32
+
+    torch.manual_seed(0)
+    block = Block(d, heads, mlp_ratio=4)
+    x = torch.randn(batch, seq, d, requires_grad=True) * 1.0  # an activation (a leaf would count as a parameter)
+    window = SavedTensorWindow()
+    window.start()
+    y = block(x)
+    assert window.stop() == by_hand(batch) == 79_232
+    y.sum().backward()  # what was counted is what backward needs
+
+    prof = profile(reference_gpt_on_meta(), seq_len=seq)  # per sample: a batch of one
+    by_name = {layer.name: layer.activations for layer in prof.layers}
+    assert by_name["blocks.0"] == by_name["blocks.1"] == by_hand(1)
 
 
 def test_70b_on_four_nodes_of_eight_80gb_devices_recommends_a_layout_that_fits():
@@ -68,9 +114,13 @@ def test_70b_on_four_nodes_of_eight_80gb_devices_recommends_a_layout_that_fits()
     for fsdp, tp in ((32, 1), (4, 8)):
         e = by_mesh[(str(MeshSpec((fsdp, tp), ("fsdp", "tp"))), None)]
         shard = ((params - norms) / tp + norms) / fsdp
-        assert e.params == pytest.approx(4 * shard, rel=1e-12)  # fp32 weights
-        assert e.grads == pytest.approx(4 * shard, rel=1e-12)
-        assert e.optimizer == pytest.approx(8 * shard, rel=1e-12)  # AdamW: two fp32 moments
+        # Integers below 2^53 (every count divides by tp and fsdp here): exact in floating point.
+        assert e.params == 4 * shard  # fp32 weights
+        assert e.grads == 4 * shard
+        assert e.optimizer == 8 * shard  # AdamW: two fp32 moments
+        # FSDP gathers, in the 2-byte compute dtype, the root (embedding, head, final norm) and two blocks at once.
+        root, block = 2 * v * d / tp + d, 12 * d * d / tp + 2 * d
+        assert e.gathered == 2 * (root + 2 * block)
     assert not by_mesh[('[[32, 1], ["fsdp", "tp"]]', None)].fits  # 820 GB of activations without tp or pp
 
 
