@@ -10,10 +10,12 @@ from pathlib import Path
 import lightning as L
 import torch
 import torch.nn.functional as F
+from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parallelkit.callbacks.monitors import training_state_bytes
+from parallelkit.data import TextDataModule
 from parallelkit.mesh import data_parallel_group
 from parallelkit.models.gpt import GPT, MLP, Attention, Block
 
@@ -270,3 +272,31 @@ class StopAfter(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step >= self.step:
             trainer.should_stop = True  # checkpoint callbacks run after this one: step `step` is still saved
+
+
+class TextWithPredictData(TextDataModule):
+    """TextDataModule with its validation split as predict data: the shipped datamodules define no
+    predict_dataloader, which `parallelkit predict` needs."""
+
+    def predict_dataloader(self):
+        return self.val_dataloader()
+
+
+class PredictionLosses(BasePredictionWriter):
+    """Writes out_dir/rank<r>.json: the shape of each batch's predicted logits on this rank and their cross-entropy
+    against the batch's targets (a prediction of the right model gives the validation loss)."""
+
+    def __init__(self, out_dir: str) -> None:
+        super().__init__(write_interval="batch")
+        self.out_dir = out_dir
+        self.batches: list[dict] = []
+
+    def write_on_batch_end(self, trainer, pl_module, prediction, batch_indices, batch, batch_idx, dataloader_idx):
+        logits = prediction.full_tensor() if isinstance(prediction, DTensor) else prediction
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), batch[1].flatten()).item()
+        self.batches.append({"shape": list(logits.shape), "loss": loss})
+
+    def on_predict_end(self, trainer, pl_module):
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(self.batches, f)

@@ -1,7 +1,8 @@
+import json
 from pathlib import Path
 
 import pytest
-from conftest import assert_ok, fit, parallelkit, step_losses
+from conftest import REPO, assert_ok, assert_same_losses, fit, parallelkit, step_losses
 
 
 def test_env_lays_out_a_mesh_rank_by_coordinate(tmp_path: Path):
@@ -64,3 +65,60 @@ def test_ddp_two_processes_matches_single_process_losses_per_step(tmp_path: Path
     assert val_single.keys() == val_ddp.keys() and len(val_single) == 2
     for step in val_single:
         assert abs(val_ddp[step] - val_single[step]) <= 1e-5 * val_single[step]
+
+
+def evaluate(subcommand: str, config: str, save_dir: Path, corpus: Path, checkpoint: Path, *overrides: str):
+    """`parallelkit validate|test|predict --config configs/<config> --ckpt_path=<checkpoint>` on 3 batches of the
+    validation split, logging CSV under `save_dir`."""
+    stage = {"validate": "val", "test": "test", "predict": "predict"}[subcommand]
+    return parallelkit(
+        subcommand,
+        "--config",
+        str(REPO / "configs" / config),
+        *overrides,
+        f"--ckpt_path={checkpoint}",
+        f"--trainer.limit_{stage}_batches=3",
+        f"--trainer.logger.init_args.save_dir={save_dir}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        f"--data.init_args.paths={corpus}",
+        f"--data.init_args.cache_dir={save_dir / 'cache'}",
+        cwd=save_dir,
+    )
+
+
+def single_process_val_loss(baseline) -> float:
+    """One process's val_loss on 3 validation batches after 10 steps: the weights of the shared reference runs'
+    step-10 checkpoints, which train in parity with it."""
+    losses = baseline("val").losses("val_loss")
+    return losses[min(losses)]
+
+
+@pytest.mark.parametrize("config", ["hybrid.yaml", "1f1b.yaml"])
+@pytest.mark.parametrize(("subcommand", "key"), [("validate", "val_loss"), ("test", "test_loss")])
+def test_validate_and_test_a_checkpoint_give_the_single_process_loss(
+    tmp_path: Path, corpus: Path, reference, baseline, config: str, subcommand: str, key: str
+):
+    """fsdp_tp [[2, 2]] (the model logs the loss) and 1F1B pp=2 (the strategy does) evaluate a checkpoint of their
+    own layout to one process's loss on the same batches."""
+    assert_ok(evaluate(subcommand, config, tmp_path, corpus, reference(config).checkpoint))
+    assert_same_losses({0: single_process_val_loss(baseline)}, step_losses(tmp_path, key))
+
+
+@pytest.mark.parametrize(("config", "processes", "batch_size"), [("hybrid.yaml", 4, 4), ("1f1b.yaml", 2, 8)])
+def test_predict_from_a_checkpoint_returns_every_ranks_logits_for_its_batch(
+    tmp_path: Path, corpus: Path, reference, baseline, config: str, processes: int, batch_size: int
+):
+    """`parallelkit predict` returns, on every rank, the logits of its batch (fsdp_tp: its data-parallel slice; a
+    pipeline: the last stage's, on every stage), whose loss against the targets is one process's val_loss."""
+    out = tmp_path / "predictions"
+    writer = f'--trainer.callbacks+={{"class_path": "models.PredictionLosses", "init_args": {{"out_dir": "{out}"}}}}'
+    predict_data = "--data=models.TextWithPredictData"  # the shipped datamodules have no predict_dataloader
+    assert_ok(evaluate("predict", config, tmp_path, corpus, reference(config).checkpoint, predict_data, writer))
+    ranks = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
+    assert len(ranks) == processes
+    batches = [batch for rank in ranks for batch in rank]
+    assert len(batches) == 3 * processes and all(batch["shape"] == [batch_size, 64, 256] for batch in batches)
+    # Every data-parallel slice of a batch is the same size, and each appears equally often (once per tp rank).
+    mean = sum(batch["loss"] for batch in batches) / len(batches)
+    assert_same_losses({0: single_process_val_loss(baseline)}, {0: mean})

@@ -2,10 +2,17 @@
 
 import json
 import sys
+from copy import deepcopy
 from pathlib import Path
 
 import pytest
+import torch
+import yaml
 from conftest import REPO, assert_ok, assert_same_losses, common, fit, free_port, run, step_losses, torchrun
+
+from parallelkit.callbacks.activations import SavedTensorWindow
+from parallelkit.models import GPT
+from parallelkit.plan import apply_activation_checkpointing
 
 STEPS = 20
 
@@ -30,9 +37,8 @@ def baselines(baseline):
 @pytest.mark.parametrize(
     ("name", "mesh", "devices", "batch_size", "extra", "expected"),
     [
-        ("fsdp4", '[[4, 1], ["fsdp", "tp"]]', 4, 2, [], "plain"),
+        # [[4, 1]] is the fsdp2 preset's run and [[2, 2]] the shared reference run (tests below).
         ("tp2", '[[1, 2], ["fsdp", "tp"]]', 2, 8, ["--trainer.strategy.loss_parallel=true"], "plain"),
-        ("hybrid2x2", '[[2, 2], ["fsdp", "tp"]]', 4, 4, [], "plain"),
         ("fsdp2_accumulate2", '[[2, 1], ["fsdp", "tp"]]', 2, 4, ["--trainer.accumulate_grad_batches=2"], "accumulate"),
         ("hsdp2x2x1", '[[2, 2, 1], ["replicate", "fsdp", "tp"]]', 4, 2, [], "plain"),
         ("hybrid2x2_clip", '[[2, 2], ["fsdp", "tp"]]', 4, 4, ["--trainer.gradient_clip_val=0.05"], "clip"),
@@ -59,7 +65,82 @@ def test_layout_matches_single_process_losses(
 
 def test_hybrid_trains_in_bf16_mixed_close_to_fp32(tmp_path, corpus, baselines):
     assert_ok(fit("hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache"), "--trainer.precision=bf16-mixed"))
-    assert_same_losses(baselines["plain"], step_losses(tmp_path), rtol=0.02)
+    fp32, bf16 = baselines["plain"], step_losses(tmp_path)
+    assert_same_losses(fp32, bf16, rtol=0.02)
+    # And not fp32 under another name: fp32 layouts stay within 2e-7 of one process, bf16 moved up to 4e-4.
+    assert max(abs(bf16[s] - fp32[s]) / fp32[s] for s in fp32) > 1e-4
+
+
+@pytest.mark.parametrize(("preset", "devices", "batch_size", "axis"), [("fsdp2", 4, 2, "fsdp"), ("tp", 2, 8, "tp")])
+def test_preset_by_registered_name_matches_single_process_losses(
+    tmp_path, corpus, baselines, preset, devices, batch_size, axis
+):
+    """`--trainer.strategy=<preset>` replaces the config's strategy with the registered name's defaults: every
+    process on one axis (fsdp2: [[-1], ["fsdp"]], tp: [[-1], ["tp"]])."""
+    size = ["--trainer.strategy=" + preset, f"--trainer.devices={devices}", f"--data.init_args.batch_size={batch_size}"]
+    assert_ok(fit("hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache"), *size))
+    assert_same_losses(baselines["plain"], step_losses(tmp_path))
+    (hparams,) = tmp_path.rglob("hparams.yaml")
+    layout = yaml.safe_load(hparams.read_text())["parallel"]
+    assert layout["strategy"] == "FSDPTPStrategy" and layout[f"{axis}_size"] == devices == layout["world_size"], layout
+
+
+def test_full_activation_checkpointing_recomputes_every_block_with_the_same_losses_on_2x2(
+    tmp_path, corpus, baselines, reference
+):
+    """activation_checkpointing=full on [[2, 2]]: per-step losses equal one process's, and the activations saved for
+    backward (RankMonitor's memory/activations_mb, on in every config: largest rank) fall below half of the same
+    layout's without it. That run is the shared reference run of hybrid.yaml, held to parity here too."""
+    plain = reference("hybrid.yaml")
+    assert_same_losses(baselines["plain"], plain.losses())
+    assert_ok(
+        fit(
+            "hybrid.yaml",
+            tmp_path,
+            *common(corpus, tmp_path / "cache"),
+            "--trainer.strategy.activation_checkpointing=full",
+        )
+    )
+    assert_same_losses(baselines["plain"], step_losses(tmp_path))
+    off = max(plain.losses("memory/activations_mb").values())
+    on = max(step_losses(tmp_path, "memory/activations_mb").values())
+    assert on < 0.5 * off, (on, off)  # measured 0.44 MB against 1.96 MB: the blocks' activations are recomputed
+
+
+def test_activation_checkpointing_every_nth_block_recomputes_those_blocks_only():
+    """The policy as the strategies apply it to the fsdp units (blocks): "full" recomputes every block in backward,
+    n every n-th from the first; gradients are unchanged and the saved activations fall with each block recomputed."""
+    torch.manual_seed(0)
+    model = GPT(n_layer=4, n_head=2, n_embd=32)
+    x, y = torch.randint(0, 256, (2, 2, 32))
+    found = {}
+    for policy in ("none", 3, 2, "full"):
+        copy = deepcopy(model)
+        apply_activation_checkpointing(list(copy.blocks), policy)
+        calls = [0] * len(copy.blocks)
+        for index, block in enumerate(copy.blocks):
+            block.mlp.forward = counted(block.mlp.forward, calls, index)
+        window = SavedTensorWindow()
+        window.start()
+        copy.pipeline_loss(copy(x), y).backward()
+        saved = window.stop()
+        recomputed = [index for index, count in enumerate(calls) if count == 2]
+        found[policy] = (recomputed, saved, [p.grad for p in copy.parameters()])
+    assert [found[policy][0] for policy in found] == [[], [0, 3], [0, 2], [0, 1, 2, 3]]
+    per_block = (found["none"][1] - found["full"][1]) / 4
+    assert per_block > 0
+    for policy, (recomputed, saved, grads) in found.items():
+        assert saved == found["none"][1] - len(recomputed) * per_block, policy
+        for grad, expected in zip(grads, found["none"][2]):
+            torch.testing.assert_close(grad, expected, rtol=0, atol=0)
+
+
+def counted(forward, calls: list[int], index: int):
+    def run(*args, **kwargs):
+        calls[index] += 1
+        return forward(*args, **kwargs)
+
+    return run
 
 
 def test_user_model_with_its_own_plan_matches_single_process_on_2x2(tmp_path, corpus):
@@ -97,7 +178,8 @@ def test_meta_init_never_holds_the_whole_model_and_equals_the_eager_weights(tmp_
     assert meta["max_abs_diff"] == 0.0 and eager["max_abs_diff"] == 0.0
     model = meta["model_bytes"]
     assert eager["growth"] >= model, found  # the measure sees a whole model when there is one
-    assert meta["growth"] <= 0.75 * model, found  # a quarter is the shards; the rest allocator slack
+    # A quarter is the shards; the rest allocator slack. Measured 0.42-0.56 x the model over 9 runs (eager: 1.06 x).
+    assert meta["growth"] <= 0.65 * model, found
 
 
 def test_meta_init_refuses_a_model_it_cannot_initialise(tmp_path):
@@ -180,12 +262,24 @@ def test_python_api_by_registered_name(tmp_path):
     assert 'HSDPStrategy [[2, 2, 1], ["replicate", "fsdp", "tp"]]' in proc.stdout
 
 
-def test_optimizer_from_the_command_line_steps_the_sharded_parameters(tmp_path, corpus):
-    """LightningCLI builds `--optimizer` before the strategy shards the model; it must still train the shards."""
-    sgd = [*common(corpus, tmp_path / "cache", steps=6), "--optimizer=torch.optim.SGD", "--optimizer.lr=0.1"]
+def test_optimizer_and_lr_scheduler_from_the_command_line_step_the_sharded_parameters(tmp_path, corpus):
+    """LightningCLI builds `--optimizer` and `--lr_scheduler` before the strategy shards the model; they must still
+    train the shards on the schedule. LightningCLI steps a scheduler every epoch: epochs of 2 steps here."""
+    sgd = [
+        *common(corpus, tmp_path / "cache", steps=6),
+        "--trainer.limit_train_batches=2",
+        "--optimizer=torch.optim.SGD",
+        "--optimizer.lr=0.1",
+        "--lr_scheduler=torch.optim.lr_scheduler.StepLR",
+        "--lr_scheduler.step_size=1",
+        "--lr_scheduler.gamma=0.5",
+    ]
+    lr_monitor = '--trainer.callbacks+={"class_path": "LearningRateMonitor", "init_args": {"logging_interval": "step"}}'
     assert_ok(fit("single.yaml", tmp_path / "single", *sgd))
-    assert_ok(fit("hybrid.yaml", tmp_path / "hybrid", *sgd))
+    assert_ok(fit("hybrid.yaml", tmp_path / "hybrid", *sgd, lr_monitor))
     assert_same_losses(step_losses(tmp_path / "single"), step_losses(tmp_path / "hybrid"))
+    rates = step_losses(tmp_path / "hybrid", "lr-SGD")
+    assert list(rates.values()) == pytest.approx([0.1, 0.1, 0.05, 0.05, 0.025, 0.025])  # the schedule bites
 
 
 def test_auto_mesh_takes_the_planners_layout_and_keeps_parity(tmp_path, corpus):

@@ -225,6 +225,12 @@ class GPT(L.LightningModule):
         self.val_loss.reset()
         self.log_epoch_loss("test", loss)
 
+    @override
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor] | torch.Tensor, batch_idx: int) -> torch.Tensor:
+        """Logits for the batch's inputs: the first element of an `(inputs, targets)` batch, or the batch itself."""
+        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(inputs)
+
     def log_epoch_loss(self, stage: str, loss: torch.Tensor) -> None:
         """Log `<stage>_loss` and `<stage>_ppl` from the metric's value, which every data-parallel rank already
         shares (the metric synchronised it): the mean over the group that `sync_dist` asks for leaves it as is, and

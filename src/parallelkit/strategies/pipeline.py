@@ -86,7 +86,7 @@ class PipelineStrategy(ParallelkitStrategy):
         reshard_after_forward: Literal["default", "always", "never"] = "never",
         sequence_parallel: bool | None = None,
         loss_parallel: bool = False,
-        activation_checkpointing: str | int = "none",
+        activation_checkpointing: int | str = "none",  # int first: from the CLI "2" must parse as every 2nd block
         comm_precision: str | CommHook | None = None,
         profile_communication: bool = False,
         timeout: float | timedelta = 1800.0,
