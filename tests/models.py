@@ -15,7 +15,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parallelkit.callbacks.monitors import training_state_bytes
-from parallelkit.data import TextDataModule
 from parallelkit.mesh import data_parallel_group
 from parallelkit.models.gpt import GPT, MLP, Attention, Block
 
@@ -272,14 +271,6 @@ class StopAfter(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step >= self.step:
             trainer.should_stop = True  # checkpoint callbacks run after this one: step `step` is still saved
-
-
-class TextWithPredictData(TextDataModule):
-    """TextDataModule with its validation split as predict data: the shipped datamodules define no
-    predict_dataloader, which `parallelkit predict` needs."""
-
-    def predict_dataloader(self):
-        return self.val_dataloader()
 
 
 class PredictionLosses(BasePredictionWriter):

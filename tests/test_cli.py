@@ -113,8 +113,7 @@ def test_predict_from_a_checkpoint_returns_every_ranks_logits_for_its_batch(
     pipeline: the last stage's, on every stage), whose loss against the targets is one process's val_loss."""
     out = tmp_path / "predictions"
     writer = f'--trainer.callbacks+={{"class_path": "models.PredictionLosses", "init_args": {{"out_dir": "{out}"}}}}'
-    predict_data = "--data=models.TextWithPredictData"  # the shipped datamodules have no predict_dataloader
-    assert_ok(evaluate("predict", config, tmp_path, corpus, reference(config).checkpoint, predict_data, writer))
+    assert_ok(evaluate("predict", config, tmp_path, corpus, reference(config).checkpoint, writer))
     ranks = [json.loads(path.read_text()) for path in sorted(out.glob("rank*.json"))]
     assert len(ranks) == processes
     batches = [batch for rank in ranks for batch in rank]

@@ -6,6 +6,7 @@ import struct
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO, assert_ok, assert_same_losses, common, fit, step_losses
 
 # The configs' model (configs/hybrid.yaml) and batch, for the hand counts below.
@@ -204,3 +205,23 @@ def test_wandb_offline_run_records_the_loss_and_the_parallel_layout(tmp_path, co
         "tp_size": 2,
     }
     assert config["n_layer"] == 2  # the model's own hyperparameters next to it
+
+
+def test_activation_windows_open_at_once_each_count_the_whole_step():
+    """RankMonitor and ActivationMemoryMonitor both watch every step; autograd calls only the innermost saved-tensor
+    hooks, so a window of its own for each would leave the first one counting nothing."""
+    from parallelkit.callbacks.activations import SavedTensorWindow
+
+    def step() -> torch.Tensor:
+        return torch.randn(4, 8, requires_grad=True).exp().sum()  # exp saves its 4 x 8 fp32 output
+
+    alone = SavedTensorWindow()
+    alone.start()
+    loss = step()
+    assert alone.stop() == 128
+    first, second = SavedTensorWindow(), SavedTensorWindow()
+    first.start()
+    second.start()
+    loss = step()
+    assert second.stop() == first.stop() == 128
+    loss.backward()

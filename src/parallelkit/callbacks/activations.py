@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from typing import Any
+from typing import Any, ClassVar
 
 import lightning as L
 import torch
@@ -54,23 +54,39 @@ class _SavedTensorLedger:
 
 
 class SavedTensorWindow:
-    """Counts what autograd saves for backward between `start()` and `stop()` (which returns the peak bytes)."""
+    """Counts what autograd saves for backward between `start()` and `stop()` (which returns the peak bytes).
+
+    Autograd calls only the innermost saved-tensor hooks, so windows open at the same time (RankMonitor's and
+    ActivationMemoryMonitor's, both around each training step) share one count, from the first one's start: a
+    second set of hooks would leave the first window counting nothing.
+    """
+
+    _shared: ClassVar[dict[str, Any]] = {}
+    """The ledger and hooks of the windows open now, and how many are open."""
 
     def __init__(self) -> None:
         self._ledger: _SavedTensorLedger | None = None
-        self._hooks: Any = None
 
     def start(self) -> None:
-        self._ledger = _SavedTensorLedger()
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._ledger.pack, self._ledger.unpack)
-        self._hooks.__enter__()
+        shared = SavedTensorWindow._shared
+        if not shared:
+            ledger = _SavedTensorLedger()
+            hooks = torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack)
+            hooks.__enter__()
+            shared.update(ledger=ledger, hooks=hooks, open=0)
+        shared["open"] += 1
+        self._ledger = shared["ledger"]
 
     def stop(self) -> int:
-        if self._hooks is None:
+        if self._ledger is None:
             return 0
-        self._hooks.__exit__(None, None, None)
-        self._hooks = None
-        return self._ledger.peak
+        ledger, self._ledger = self._ledger, None
+        shared = SavedTensorWindow._shared
+        shared["open"] -= 1
+        if shared["open"] == 0:
+            shared.pop("hooks").__exit__(None, None, None)
+            shared.clear()
+        return ledger.peak
 
 
 class _Held:

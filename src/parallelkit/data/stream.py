@@ -120,6 +120,11 @@ class TokenStreamDataModule(L.LightningDataModule):
         return self.val_dataloader()
 
     @override
+    def predict_dataloader(self) -> DataLoader:
+        """The validation split: `parallelkit predict --config ...` works on any shipped config."""
+        return self.val_dataloader()
+
+    @override
     def state_dict(self) -> dict[str, int]:
         """The training position: epoch and global samples consumed in it (empty when not training).
 

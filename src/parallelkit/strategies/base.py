@@ -92,7 +92,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
         reshard_after_forward: Literal["default", "always", "never"] = "default",
         sequence_parallel: bool | None = None,
         loss_parallel: bool = False,
-        activation_checkpointing: str | int = "none",
+        activation_checkpointing: int | str = "none",  # int first: from the CLI "2" must parse as every 2nd block
         cpu_offload: bool = False,
         comm_precision: str | CommHook | None = None,
         profile_communication: bool = False,
