@@ -216,11 +216,13 @@ def test_schedule_stats_log_busy_time_and_bubble_next_to_theory(tmp_path, corpus
     )
     theory = step_losses(tmp_path, "pp_bubble_theory")
     assert list(theory.values()) == pytest.approx([1 / 5] * 3)  # (p - 1) / (m + p - 1) with p=2, m=4
+    overall = step_losses(tmp_path, "pp_bubble")
+    assert sorted(overall) == [0, 1, 2] and all(0 < b < 1 for b in overall.values())  # logged at every step
     for rank in (0, 1):
         busy = step_losses(tmp_path, f"pp_busy_s/rank{rank}")
         bubble = step_losses(tmp_path, f"pp_bubble/rank{rank}")
-        assert len(busy) == 3 and all(b > 0 for b in busy.values())
-        assert all(0 <= b < 1 for b in bubble.values())
+        assert sorted(busy) == sorted(bubble) == [0, 1, 2]
+        assert all(b > 0 for b in busy.values()) and all(0 <= b < 1 for b in bubble.values())
 
 
 def test_pipelined_predict_returns_the_unsplit_models_outputs_on_every_rank(tmp_path):
