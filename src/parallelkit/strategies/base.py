@@ -178,7 +178,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
     def full_mesh_spec(self, spec: MeshSpec) -> MeshSpec:
         """`spec` with every required axis present, so code can always index `mesh["tp"]`, `mesh["fsdp"]`."""
         sizes = dict(zip(spec.names, spec.sizes))
-        names = [axis for axis in ("pp", "replicate", "fsdp", "tp") if axis in sizes or axis in self.required_axes]
+        names = [axis for axis in AXES if axis in sizes or axis in self.required_axes]
         return MeshSpec(tuple(sizes.get(axis, 1) for axis in names), tuple(names))
 
     # -- process groups --------------------------------------------------------------------------------------
