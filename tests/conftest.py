@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import csv
+import json
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -19,9 +21,26 @@ SCRIPTS = TESTS / "scripts"
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port nothing listens on, for a launcher that must be told one (prefer letting the launcher pick: port 0).
+
+    Chosen at random below the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by
+    default), which the kernel never hands out by itself: a port bound and released at 0 comes from that range and
+    can be taken by any process's next outgoing connection (gloo opens many) before the launcher binds it again.
+    """
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    rng = random.SystemRandom()  # not `random`: a test's seed_everything would give every session the same ports
+    for _ in range(100):
+        port = rng.randrange(10_000, max(low, 10_001))
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError("no free port found below the ephemeral range")
 
 
 def subprocess_env(**extra: str) -> dict[str, str]:
@@ -50,7 +69,7 @@ def torchrun(script: str, nproc: int, *args: str, cwd: Path, timeout: float = 60
         "-m",
         "torch.distributed.run",
         f"--nproc-per-node={nproc}",
-        f"--master-port={free_port()}",
+        "--standalone",  # c10d rendezvous on a port the launcher binds itself (localhost:0): none to collide with
         str(SCRIPTS / script),
         *args,
     ]
@@ -105,6 +124,11 @@ def checkpoint_every(dirpath: Path, steps: int, last: bool = False) -> str:
         f'{{"dirpath": "{dirpath}", "every_n_train_steps": {steps}, "save_top_k": -1, '
         f'"save_last": {str(last).lower()}}}}}'
     )
+
+
+def callback(class_path: str, **init_args: object) -> str:
+    """A callback added to the configured ones, as a CLI override: `callback("models.StopAfter", step=10)`."""
+    return "--trainer.callbacks+=" + json.dumps({"class_path": class_path, "init_args": init_args})
 
 
 def assert_same_losses(expected: dict[int, float], actual: dict[int, float], rtol: float = 1e-5) -> None:

@@ -3,8 +3,6 @@
 import json
 import os
 import signal
-import threading
-import time
 from pathlib import Path
 
 import lightning as L
@@ -229,8 +227,10 @@ class StateBytes(L.Callback):
 
 
 class KillDuringSave(L.Callback):
-    """On rank `rank`, SIGKILLs this process in the middle of the checkpoint save at `step`: once the save has
-    written a shard under the staging name and before the checkpoint is published under its final one."""
+    """On rank `rank`, SIGKILLs this process in the middle of the checkpoint save at `step`: right after its DCP write
+    of the shards under the staging name returns, before the barrier after which rank 0 publishes the checkpoint under
+    its final name. Wrapping the write (instead of watching the directory from a thread) puts the kill at that point
+    whatever the machine's speed."""
 
     def __init__(self, step: int, rank: int = 1) -> None:
         self.step, self.rank = step, rank
@@ -239,14 +239,15 @@ class KillDuringSave(L.Callback):
         # Lightning calls this while assembling the checkpoint, just before the strategy writes it.
         if trainer.global_step != self.step or trainer.global_rank != self.rank:
             return
-        staging = Path(trainer.checkpoint_callback.dirpath)
+        import torch.distributed.checkpoint as dcp
 
-        def kill_once_a_shard_is_written() -> None:
-            while not any(staging.glob("*.partial/*.distcp")):
-                time.sleep(0.001)
+        write = dcp.save
+
+        def write_then_die(*args, **kwargs):
+            write(*args, **kwargs)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        threading.Thread(target=kill_once_a_shard_is_written, daemon=True).start()
+        dcp.save = write_then_die  # this process's module only; it dies in this save
 
 
 class CrashOnce(L.Callback):

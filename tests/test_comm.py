@@ -1,15 +1,23 @@
 """Communication-precision hooks, held to the bytes they claim (measured by the profiler) and to the losses."""
 
 import pytest
+import torch
+import torch.distributed as dist
 from conftest import assert_ok, assert_same_losses, fit, step_losses
 from conftest import common as run_args
 from test_plugins import install_fake_distribution
 
+from parallelkit.comm.int8 import Int8ReduceScatter
 from parallelkit.models import GPT
 from parallelkit.plan import fsdp_units
 
 FSDP4 = [
     '--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]',
+    "--trainer.devices=4",
+    "--data.init_args.batch_size=2",
+]
+HSDP = [
+    '--trainer.strategy.mesh_shape=[[2, 2], ["replicate", "fsdp"]]',
     "--trainer.devices=4",
     "--data.init_args.batch_size=2",
 ]
@@ -25,15 +33,24 @@ def reference_model() -> GPT:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus):
-    """[[4, 1]] runs under each built-in hook for 20 steps, and fp32 and bf16 for 50 (bf16 held to fp32 longer)."""
+    """[[4, 1]] runs under fp32, fp16 and int8 for 20 steps and fp32 for 50; bf16 for 50 (held to fp32 longer) under
+    HSDP [[2, 2]] (replicate x fsdp), which reduce-scatters the same full gradient and all-reduces its shard over
+    replicate too; int8 under HSDP for 3 steps."""
     root = tmp_path_factory.mktemp("comm")
-    for hook, steps in (("fp32", 20), ("fp16", 20), ("int8", 20), ("fp32", 50), ("bf16", 50)):
+    for name, hook, steps, layout in (
+        ("fp32_20", "fp32", 20, FSDP4),
+        ("fp16_20", "fp16", 20, FSDP4),
+        ("int8_20", "int8", 20, FSDP4),
+        ("fp32_50", "fp32", 50, FSDP4),
+        ("bf16_hsdp_50", "bf16", 50, HSDP),
+        ("int8_hsdp_3", "int8", 3, HSDP),
+    ):
         assert_ok(
             fit(
                 "hybrid.yaml",
-                root / f"{hook}_{steps}",
+                root / name,
                 *common(corpus, root / "cache", steps),
-                *FSDP4,
+                *layout,
                 f"--trainer.strategy.comm_precision={hook}",
             )
         )
@@ -48,7 +65,7 @@ def test_fp32_gradient_bytes_equal_four_bytes_per_parameter_per_step(runs):
     assert set(per_step.values()) == {4.0 * params}
 
 
-@pytest.mark.parametrize(("half", "full"), [("bf16_50", "fp32_50"), ("fp16_20", "fp32_20")])
+@pytest.mark.parametrize(("half", "full"), [("bf16_hsdp_50", "fp32_50"), ("fp16_20", "fp32_20")])
 def test_half_precision_hooks_halve_gradient_bytes(runs, half, full):
     full_bytes = step_losses(runs / full, "comm/reduce_scatter_bytes")
     half_bytes = step_losses(runs / half, "comm/reduce_scatter_bytes")
@@ -69,13 +86,49 @@ def test_int8_hook_sends_a_quarter_of_the_bytes_and_still_trains(runs):
     assert sorted(int8) == sorted(fp32)
     for step in fp32:
         assert int8[step] == fp32[step] / 4 + 3 * 4 * 4
-    losses = step_losses(runs / "int8_20")
+    losses, exact = step_losses(runs / "int8_20"), step_losses(runs / "fp32_20")
     assert losses[19] < losses[0] - 1.0
-    assert_same_losses(step_losses(runs / "fp32_20"), losses, rtol=0.02)
+    assert_same_losses(exact, losses, rtol=0.02)
+    assert max(abs(losses[s] - exact[s]) for s in exact) > 1e-4  # the hook is applied (measured: 1e-2 apart)
 
 
 def test_bf16_hook_stays_within_2_percent_of_fp32_over_50_steps(runs):
-    assert_same_losses(step_losses(runs / "fp32_50"), step_losses(runs / "bf16_50"), rtol=0.02)
+    exact, bf16 = step_losses(runs / "fp32_50"), step_losses(runs / "bf16_hsdp_50")
+    assert_same_losses(exact, bf16, rtol=0.02)
+    # The hook is applied: not fp32's losses (measured: 5.7e-4 apart at most; fp32 under HSDP is within ~1e-6).
+    assert max(abs(bf16[s] - exact[s]) for s in exact) > 1e-5
+
+
+def test_fp16_hook_trains_within_0_01_percent_of_fp32_and_is_not_fp32(runs):
+    """fp16 keeps more mantissa than bf16 (FSDP2 scales before and after the sum so that it cannot overflow): close
+    to fp32 (measured: 2.4e-6 relative at most over 20 steps), but not fp32's losses (measured: 8.6e-6 apart at
+    most), which an ignored hook gives exactly (same layout, same reduction order)."""
+    exact, fp16 = step_losses(runs / "fp32_20"), step_losses(runs / "fp16_20")
+    assert_same_losses(exact, fp16, rtol=1e-4)
+    assert fp16 != exact
+
+
+def test_hsdp_replicate_all_reduce_is_in_the_hooks_dtype_and_stays_fp32_under_int8(runs):
+    """HSDP [[2, 2]]: each rank reduce-scatters the full gradient over fsdp, then all-reduces its shard (parameters /
+    2) over replicate. Under bf16 that all-reduce sends 2 bytes per element, half of fp32's 4; int8 replaces the
+    reduce-scatter only (all-to-all over fsdp: 1 byte per element + one fp32 scale per rank per buffer), and its
+    replicate all-reduce stays fp32. Each step also all-reduces the logged train_loss (4 bytes)."""
+    params = sum(p.numel() for p in reference_model().parameters())
+    groups = len(fsdp_units(reference_model())) + 1  # one buffer per FSDP module: the blocks and the root
+    shard = params // 2
+    for name in ("bf16_hsdp_50", "int8_hsdp_3"):
+        assert set(step_losses(runs / name, "comm/all_reduce_count").values()) == {groups + 1.0}
+    bf16 = step_losses(runs / "bf16_hsdp_50", "comm/all_reduce_bytes")
+    int8 = step_losses(runs / "int8_hsdp_3", "comm/all_reduce_bytes")
+    assert set(bf16.values()) == {2.0 * shard + 4}
+    assert set(int8.values()) == {4.0 * shard + 4}
+    assert set(step_losses(runs / "int8_hsdp_3", "comm/all_to_all_bytes").values()) == {params + groups * 2 * 4.0}
+    assert "comm/reduce_scatter_bytes" not in next((runs / "int8_hsdp_3").rglob("metrics.csv")).read_text()
+    # Both train: the first steps as fp32's within the hooks' tolerance.
+    exact = step_losses(runs / "fp32_20")
+    for name in ("bf16_hsdp_50", "int8_hsdp_3"):
+        losses = step_losses(runs / name)
+        assert_same_losses({s: exact[s] for s in range(3)}, {s: losses[s] for s in range(3)}, rtol=0.02)
 
 
 def test_accumulation_reduces_gradients_once_per_fsdp_module_per_optimizer_step(tmp_path, corpus):
@@ -154,3 +207,35 @@ def test_ddp_hooks_apply_on_cpu_with_the_bytes_they_claim(tmp_path, corpus, base
 def test_ddp_refuses_a_hook_without_a_ddp_form(tmp_path):
     proc = fit("ddp.yaml", tmp_path, *ddp("int8"))
     assert proc.returncode == 2 and "comm_precision='int8' has no DDP form" in proc.stderr
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    """A real (gloo) process group of this process alone, for collectives called directly."""
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        dist.destroy_process_group()
+
+
+def test_int8_error_feedback_sends_each_steps_rounding_error_with_the_next_step(one_process_group):
+    """The same gradient reduced 8 times: what rounding to int8 dropped at one step is added to the next step's
+    gradient before it is quantised, so the next reduction differs, and the sum of what arrived is the sum of what was
+    sent within one step's rounding error (the residual still held). Without feedback that error grows 8-fold."""
+    grad = torch.randn(4096, generator=torch.Generator().manual_seed(0))
+    hook = Int8ReduceScatter()
+    arrived = []
+    for _ in range(8):
+        out = torch.empty_like(grad)
+        hook(out, grad.clone(), one_process_group, dist.ReduceOp.SUM)
+        arrived.append(out)
+    half_step = grad.abs().max() / 127 / 2  # int8 rounding error bound: half the scale (absmax / 127)
+    rounding = arrived[0] - grad
+    assert 0 < rounding.abs().max() <= half_step * 1.0001
+    assert not torch.equal(arrived[1], arrived[0])  # the residual changed the next reduction
+    drift = torch.stack(arrived).sum(0) - 8 * grad
+    torch.testing.assert_close(drift, -hook.residual, rtol=0, atol=1e-5)  # sent = arrived + what is still held
+    assert drift.abs().max() <= half_step * 1.01  # one step's rounding, not eight
+    assert drift.norm() < 8 * rounding.norm() / 4  # without feedback: drift = 8 x rounding
