@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections import Counter
-from typing import Any, ClassVar
+from typing import Any
 
 import lightning as L
 import torch
@@ -53,6 +53,10 @@ class _SavedTensorLedger:
             self.live -= key[1]
 
 
+_OPEN_WINDOWS: dict[str, Any] = {}
+"""The ledger and hooks that the `SavedTensorWindow`s open now share, and how many are open."""
+
+
 class SavedTensorWindow:
     """Counts what autograd saves for backward between `start()` and `stop()` (which returns the peak bytes).
 
@@ -61,14 +65,11 @@ class SavedTensorWindow:
     second set of hooks would leave the first window counting nothing.
     """
 
-    _shared: ClassVar[dict[str, Any]] = {}
-    """The ledger and hooks of the windows open now, and how many are open."""
-
     def __init__(self) -> None:
         self._ledger: _SavedTensorLedger | None = None
 
     def start(self) -> None:
-        shared = SavedTensorWindow._shared
+        shared = _OPEN_WINDOWS
         if not shared:
             ledger = _SavedTensorLedger()
             hooks = torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack)
@@ -81,7 +82,7 @@ class SavedTensorWindow:
         if self._ledger is None:
             return 0
         ledger, self._ledger = self._ledger, None
-        shared = SavedTensorWindow._shared
+        shared = _OPEN_WINDOWS
         shared["open"] -= 1
         if shared["open"] == 0:
             shared.pop("hooks").__exit__(None, None, None)
