@@ -29,12 +29,13 @@ AXES = ("pp", "replicate", "fsdp", "tp")
 DATA_PARALLEL_AXES = ("replicate", "fsdp")
 """Axes over which ranks see different samples; `pp` and `tp` ranks of one replica share a batch."""
 
-DATA_PARALLEL_MESH = "dp"
-"""Name of the flattened (replicate x fsdp) axis that `build` adds when both are present."""
+DATA_PARALLEL_MESH = "data_parallel"
+"""Name of the flattened axis that `build` adds over every data-parallel axis present (replicate x fsdp)."""
 
-LIGHTNING_AXES = {"data_parallel": DATA_PARALLEL_AXES, "tensor_parallel": ("tp",)}
+LIGHTNING_AXES = {DATA_PARALLEL_MESH: DATA_PARALLEL_AXES, "tensor_parallel": ("tp",)}
 """The axis names of Lightning's ModelParallelStrategy mesh, and the axes each one spans here: a module written for
-it (`self.device_mesh["data_parallel"]` in `configure_model`) runs unchanged."""
+it (`self.device_mesh["data_parallel"]` in `configure_model`) runs unchanged. The data-parallel one is also the
+group parallelkit's samplers and metrics use."""
 
 
 def _format(sizes: Sequence[int], names: Sequence[str]) -> str:
@@ -206,19 +207,15 @@ class MeshSpec:
     def build(self, device_type: str) -> DeviceMesh:
         """Create the DeviceMesh (process groups included); needs the default process group.
 
-        When both `replicate` and `fsdp` are present, a flattened `dp` axis is added for what spans all
-        data-parallel ranks (the sampler's and metrics' group). Lightning's axis names answer too
-        (`LIGHTNING_AXES`): `mesh["data_parallel"]` spans every data-parallel axis, `mesh["tensor_parallel"]` is tp.
+        Flattened axes are added under Lightning's names (`LIGHTNING_AXES`): `mesh["data_parallel"]` spans every
+        data-parallel axis (the sampler's and metrics' group), `mesh["tensor_parallel"]` is tp.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
         if -1 in self.sizes:
             raise MeshError(f"mesh_shape {self} has a -1 left; call resolve(num_nodes, devices) first.")
         mesh = init_device_mesh(device_type, self.sizes, mesh_dim_names=self.names)
-        flattened = dict(LIGHTNING_AXES)
-        if all(axis in self.names for axis in DATA_PARALLEL_AXES):
-            flattened[DATA_PARALLEL_MESH] = DATA_PARALLEL_AXES
-        for name, axes in flattened.items():
+        for name, axes in LIGHTNING_AXES.items():
             present = tuple(axis for axis in axes if axis in self.names)
             if present:
                 flatten_mesh(mesh[present], name)
@@ -230,7 +227,7 @@ class MeshSpec:
 
 
 class NamedMesh(DeviceMesh):
-    """A built mesh, which also answers to the names of the axes `build` flattened (`dp`, `data_parallel`,
+    """A built mesh, which also answers to the names of the axes `build` flattened (`data_parallel`,
     `tensor_parallel`) with the meshes kept for them. (torch slices a flattened axis from the root mesh by name too,
     but warns that this is deprecated and that callers should keep the flattened meshes themselves.)"""
 
