@@ -7,6 +7,8 @@ import threading
 from pathlib import Path
 
 import lightning as L
+import torch
+import torch.distributed as dist
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
@@ -18,13 +20,20 @@ class PreemptionCheckpoint(L.Callback):
     """On SIGTERM, write `last.ckpt` where the ModelCheckpoint callback keeps its checkpoints, then let the job
     exit cleanly (exit code 0), so that a relaunch with `ckpt_path: last` continues where it stopped.
 
-    The signal handler only notes the signal. Lightning's own handler also runs a broadcast from inside the
-    handler, that is, in the middle of whatever collective the rank was in, and a 4-process job signalled that
-    way hung. Noted, the flag is shared by the training loop's per-step broadcast from rank 0, and every rank
-    raises `SIGTERMException` at the same step, so the save below is collective, as a sharded save must be.
-    The signal must reach rank 0 (SLURM and torchrun signal every process). Every strategy parallelkit ships adds
-    this callback itself: those built on `ParallelkitStrategy` (plugins' included, e.g. DiLoCo) and `ddp_comm`.
+    The signal handler only notes the signal, on the callback. Lightning's own handler runs a broadcast from
+    inside the handler, that is, in the middle of whatever collective the rank was in, and a 4-process job
+    signalled that way hung. Lightning's loop also raises `SIGTERMException` at the end of a step on any rank that
+    has the flag, whether or not the others have it yet: a signal that reaches rank 0 just after rank 1 finished
+    that check sent rank 0 into the save while rank 1 went on to the next step's broadcast, and the job hung
+    (seen under `ddp_comm` on a loaded 2-core machine). So the ranks agree first: after every batch they
+    all-reduce the noted flag (max, one integer), and only then is it raised in the trainer, on every rank at
+    once; every rank raises `SIGTERMException` at the same step, and the save below is collective, as a sharded
+    save must be. A signal that reaches any one rank stops the job. Every strategy parallelkit ships adds this
+    callback itself: those built on `ParallelkitStrategy` (plugins' included, e.g. DiLoCo) and `ddp_comm`.
     """
+
+    def __init__(self) -> None:
+        self.signalled = False
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -32,10 +41,22 @@ class PreemptionCheckpoint(L.Callback):
             return
 
         def on_sigterm(signum: int, frame: object) -> None:
-            note_sigterm(trainer)
+            self.signalled = True
 
         # Lightning restores the previous handlers when the trainer tears down.
         signal.signal(signal.SIGTERM, on_sigterm)
+
+    @override
+    def on_train_batch_end(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int
+    ) -> None:
+        signalled = self.signalled
+        if trainer.world_size > 1 and dist.is_initialized():
+            flag = torch.tensor([int(signalled)], device=trainer.strategy.root_device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            signalled = bool(flag.item())
+        if signalled:
+            note_sigterm(trainer)  # Lightning's loop raises SIGTERMException at the end of this step
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
