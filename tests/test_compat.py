@@ -95,6 +95,22 @@ def test_private_tensor_apis_still_answer():
     block(torch.ones(1, 2, requires_grad=True)).sum().backward()
 
 
+def test_transformers_private_names_still_answer():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    sizes = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2}
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", vocab_size=8, **sizes))
+    assert compat.hf_tp_plan(model)["lm_head"] == "colwise_gather_output"  # `_tp_plan`, gathered by post_init
+    assert list(compat.hf_pp_plan(model)) == ["model.embed_tokens", "model.layers", "model.norm", "lm_head"]
+    weight = model.model.layers[0].mlp.up_proj.weight
+    with torch.no_grad():
+        weight.zero_()
+        model.initialize_weights()  # skips what it marked `_is_hf_initialized` when it built the model
+        assert weight.eq(0).all()
+        compat.hf_initialize(model)
+    assert weight.std() > 0
+
+
 SOURCES = [p for p in (REPO / "src").rglob("*.py") if p.name != "compat.py"] + list(REPO.glob("plugins/*/src/**/*.py"))
 
 

@@ -65,6 +65,14 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         fit_config("single.yaml", "--model.init_args.n_embd=65"),
         ["n_embd=65 is not a multiple of n_head=4", "Fix: set model.init_args.n_head to a divisor of 65"],
     ),
+    "Hugging Face config that transformers refuses": (
+        fit_config("hf_llama.yaml", '--model.init_args.config={"model_type": "llama", "hidden_size": 63}'),
+        ["model.config is not a valid llama config", "hidden size (63) is not a multiple of", "Fix the sizes"],
+    ),
+    "Hugging Face model type that does not exist": (
+        fit_config("hf_llama.yaml", '--model.init_args.config={"model_type": "lama"}'),
+        ["model.config model_type='lama' is not a model type transformers", "Did you mean 'llama'?"],
+    ),
     "ckpt_path that does not exist": (
         lambda tmp: fit("single.yaml", tmp, *QUICK, f"--ckpt_path={tmp / 'nope.ckpt'}", timeout=120),
         ["nope.ckpt does not exist", "ckpt_path=last"],
@@ -124,7 +132,7 @@ AFTER_LAUNCH: dict[str, tuple[list[str], list[str]]] = {
             "--trainer.strategy.mesh_shape=[[1, 2], [fsdp, tp]]",
             "--model.init_args.n_head=1",
         ],
-        ["GPT.blocks.0.attn has 1 attention heads, which tp=2 does not divide", "Fix: a tp that divides"],
+        ["GPT has 1 attention heads (blocks.0.attn), which tp=2 does not divide", "Fix: a tp that divides"],
     ),
     "tp not dividing a hidden size": (
         [

@@ -1,3 +1,4 @@
+import ast
 import copy
 
 import pytest
@@ -53,7 +54,9 @@ def test_tp_plan_expands_globs_per_block():
 
 def test_tp_not_dividing_heads_names_module_and_numbers():
     model = GPT(n_layer=1, n_head=6, n_embd=48)
-    with pytest.raises(PlanError, match=r"blocks\.0\.attn has 6 attention heads.*tp=4"):
+    with pytest.raises(
+        PlanError, match=r"GPT has 6 attention heads \(blocks\.0\.attn\), which tp=4.*mesh_shape \[\[-1, 2\]"
+    ):
         tensor_parallel_plan(model, 4)
 
 
@@ -102,3 +105,25 @@ def test_tp_planned_gpt_matches_plain_gpt_outputs_and_grads_on_4_processes():
     proc = torchrun("mesh_and_tp.py", 4, cwd=REPO)
     assert_ok(proc)
     assert proc.stdout.count("outputs equal") == 4 and "OK" in proc.stdout
+
+
+MODEL_NAMES = {"GPT", "HFCausalLM", "CausalLM", "n_head", "num_heads", "num_key_value_heads"}
+CONTRACT_ATTRIBUTES = {"tp_plan", "fsdp_units", "pipeline_layers", "pipeline_loss", "flops_per_token", "init_weights"}
+
+
+def test_strategies_read_the_models_plan_and_name_no_model():
+    """Strategies know a model only through its `ParallelPlan` (`parallelkit.contract`): no model class, no contract
+    attribute read off the model, nothing imported from parallelkit.models."""
+    for path in sorted((REPO / "src" / "parallelkit" / "strategies").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Name):
+                assert node.id not in MODEL_NAMES, f"{path.name}:{node.lineno} names {node.id}"
+            if isinstance(node, ast.Attribute):
+                assert node.attr not in MODEL_NAMES | CONTRACT_ATTRIBUTES, (
+                    f"{path.name}:{node.lineno} reads .{node.attr}"
+                )
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):  # getattr(model, "tp_plan")
+                assert node.value not in CONTRACT_ATTRIBUTES, f"{path.name}:{node.lineno} reads {node.value!r}"
+            if isinstance(node, ast.ImportFrom):
+                assert not (node.module or "").startswith("parallelkit.models"), f"{path.name} imports {node.module}"

@@ -149,10 +149,13 @@ class ParallelkitCLI(LightningCLI):
         if isinstance(ckpt_path, str) and ckpt_path not in ("last", "best", "hpc", "registry") and ":" not in ckpt_path:
             check_readable(Path(ckpt_path))  # names Lightning resolves itself, URLs and registry:<name> are left to it
 
-    def _check_ckpt_path(self) -> None:
-        """A sharded checkpoint needs a parallelkit strategy to load; say so instead of failing in torch.load."""
+    def _before_launch(self) -> None:
+        """Refuse, in this one process before any worker starts: a model the strategy's layout cannot split, and a
+        sharded checkpoint under a strategy that cannot load it (instead of failing in torch.load)."""
         from parallelkit.strategies import ParallelkitStrategy
 
+        if isinstance(self.trainer.strategy, ParallelkitStrategy):
+            self.trainer.strategy.check_model(self.model)
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         sharded = isinstance(ckpt_path, str) and (Path(ckpt_path) / ".metadata").is_file()
         if sharded and not isinstance(self.trainer.strategy, ParallelkitStrategy):
@@ -162,7 +165,7 @@ class ParallelkitCLI(LightningCLI):
                 "--trainer.devices=1), or take its weights with: parallelkit consolidate CKPT_DIR OUT.pt"
             )
 
-    before_fit = before_validate = before_test = before_predict = _check_ckpt_path
+    before_fit = before_validate = before_test = before_predict = _before_launch
 
 
 PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}

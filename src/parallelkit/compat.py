@@ -147,6 +147,31 @@ def flash_attention_on_cpu(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, sca
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)[0]
 
 
+# -- transformers ------------------------------------------------------------------------------------------------
+def hf_tp_plan(model: Module) -> dict[str, str]:
+    """A Hugging Face model's whole tensor-parallel plan (module glob -> HF style name), its own entries (e.g.
+    `lm_head`) and its base model's, prefixed, as `PreTrainedModel.post_init` gathers them into `_tp_plan`."""
+    return dict(model._tp_plan or {})
+
+
+def hf_pp_plan(model: Module) -> dict[str, Any]:
+    """A Hugging Face causal LM's pipeline pieces in order (module name -> (input names, output names)): its base
+    model's `config.base_model_pp_plan`, prefixed, then its own (`_pp_plan`, the head)."""
+    base = model.base_model_prefix
+    pieces = {f"{base}.{name}": io for name, io in (model.config.base_model_pp_plan or {}).items()}
+    return {**pieces, **(type(model)._pp_plan or {})}
+
+
+def hf_initialize(model: Module) -> None:
+    """Run a Hugging Face model's own weight initialisation (`_init_weights` on every module) again, on tensors
+    that already exist. transformers marks modules and tensors it initialised with `_is_hf_initialized` and skips
+    them afterwards; the marks are cleared first."""
+    for obj in (*model.modules(), *model.parameters(), *model.buffers()):
+        if getattr(obj, "_is_hf_initialized", False):
+            obj._is_hf_initialized = False
+    model.initialize_weights()
+
+
 # -- noise -------------------------------------------------------------------------------------------------------
 class _WithoutTips(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:

@@ -55,6 +55,15 @@ def meta_parameters() -> Generator[None, None, None]:
         nn.Module.register_parameter = register
 
 
+def building_on_meta() -> bool:
+    """True inside `meta_parameters()` or a `torch.device("meta")` context: a model built now gets no storage, and
+    is materialised later (by a strategy with `meta_init`, or never: the planner only counts it)."""
+    return nn.Module.register_parameter is not _REGISTER_PARAMETER or torch.get_default_device().type == "meta"
+
+
+_REGISTER_PARAMETER = nn.Module.register_parameter
+
+
 def has_meta_tensors(module: nn.Module, recurse: bool = True) -> bool:
     return any(t.is_meta for t in (*module.parameters(recurse=recurse), *module.buffers(recurse=recurse)))
 
@@ -68,13 +77,34 @@ def materialize(model: nn.Module, device: torch.device, modules: Mapping[str, nn
     on which stages came before it.
     """
     _check_initialisable(model, modules)
+    tied = tied_parameters(model)
     apply_to_tensors(model, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
+    retie(model, tied)  # a meta parameter is replaced by a new one per module that holds it
     with _restored(model, modules), torch.no_grad(), _WholeTensorInit():
         for module in modules.values():
             if _holds_tensors(module) and callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
         if callable(getattr(model, "init_weights", None)):
             model.init_weights()
+
+
+def tied_parameters(model: nn.Module) -> list[list[str]]:
+    """Names under which one parameter is registered more than once (tied weights), each group in module order."""
+    names: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def retie(model: nn.Module, tied: list[list[str]]) -> None:
+    """Register each group's first parameter under the group's other names again (`tied_parameters` groups)."""
+    for first, *others in tied:
+        shared = model.get_parameter(first)
+        for name in others:
+            owner, _, leaf = name.rpartition(".")
+            module = model.get_submodule(owner) if owner else model
+            if getattr(module, leaf) is not shared:
+                module.register_parameter(leaf, shared)
 
 
 def _holds_tensors(module: nn.Module) -> bool:

@@ -1,10 +1,5 @@
-"""The model contract: how a LightningModule's declarations become a parallel plan.
-
-A model opts in with class attributes (see DESIGN.md, "The model contract")::
-
-    tp_plan = {"blocks.*.attn.q": "colwise", "blocks.*.attn.proj": "rowwise", ...}
-    fsdp_units = ["blocks.*"]
-    pipeline_layers = ["tok_emb", "blocks.*", "norm", "head"]
+"""How a model's `ParallelPlan` (`parallelkit.contract`) becomes a parallel model: tensor parallel styles, FSDP
+units, activation checkpointing and pipeline stages, applied in one fixed order.
 
 Patterns are module FQNs where `*` (and any fnmatch pattern) stands for exactly one path segment. A style is
 one of `STYLES` or a torch `ParallelStyle` instance, used as given.
@@ -19,17 +14,32 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from parallelkit.compat import composable_checkpoint
+from parallelkit.contract import ParallelPlan, parallel_plan
 from parallelkit.errors import PlanError
+from parallelkit.init import retie, tied_parameters
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.tensor.parallel import ParallelStyle
 
-STYLES = ("colwise", "rowwise", "sequence_parallel", "vocab_embedding", "vocab_head", "replicate")
+STYLES = (
+    "colwise",
+    "rowwise",
+    "colwise_gather",
+    "sequence_parallel",
+    "vocab_embedding",
+    "vocab_head",
+    "head_norm",
+    "replicate",
+)
 """Style names a `tp_plan` may use; what each becomes depends on sequence/loss parallelism (`tp_style`)."""
 
-HEAD_COUNT_ATTRS = ("n_head", "num_heads")
-"""Attributes by which an attention module states its head count; tp must divide it."""
+SHARDING_STYLES = ("colwise", "rowwise", "colwise_gather", "vocab_embedding", "vocab_head")
+"""Styles that split a module's weights over the tp group (each rank holds 1 / tp of them)."""
+
+GATHERING_STYLES = ("colwise", "colwise_gather", "vocab_head")
+"""Styles whose input sequence parallelism all-gathers (and autograd then keeps whole); the other sharding styles
+reduce-scatter (or all-reduce) their output."""
 
 
 def matches(pattern: str, fqn: str) -> bool:
@@ -100,6 +110,13 @@ def tp_style(name: str, *, sequence_parallel: bool, loss_parallel: bool) -> Para
             return ColwiseParallel(input_layouts=stream)
         case "rowwise":
             return RowwiseParallel(output_layouts=stream)
+        case "colwise_gather":
+            return ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
+        case "head_norm":
+            # A norm over each head's channels (Qwen3's q_norm/k_norm) after a column-wise projection: its input,
+            # (batch, seq, heads, head_dim), holds this rank's heads. Seen as a DTensor sharded on the heads dim,
+            # the replicated weight's gradient is a partial sum that DTensor all-reduces over the tp group.
+            return SequenceParallel(sequence_dim=2, use_local_output=True)
         case "sequence_parallel":
             # Without sequence parallelism a norm sees the whole sequence on every tp rank: nothing to do.
             return SequenceParallel() if sequence_parallel else None
@@ -134,18 +151,27 @@ def _check_divisible(model: nn.Module, fqn: str, module: nn.Module, style: str, 
 
 
 def tensor_parallel_plan(
-    model: nn.Module, tp: int, *, sequence_parallel: bool = True, loss_parallel: bool = False
+    model: nn.Module,
+    tp: int,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
+    contract: ParallelPlan | None = None,
 ) -> dict[str, ParallelStyle]:
-    """Expand the model's `tp_plan` globs into {module FQN: ParallelStyle}, checking sizes against `tp`."""
+    """Expand the model's tp globs into {module FQN: ParallelStyle}, checking sizes and head counts against `tp`."""
     from torch.distributed.tensor.parallel import ParallelStyle
 
-    declared: Mapping[str, Any] | None = getattr(model, "tp_plan", None)
+    contract = contract or parallel_plan(model)
+    if contract.tp_refusal:
+        raise PlanError(f"{contract.description}: {contract.tp_refusal}")
+    declared: Mapping[str, Any] = contract.tp
     if not declared:
         raise PlanError(
-            f"tensor parallelism (tp={tp}) needs {type(model).__name__}.tp_plan: a dict from module name "
+            f"tensor parallelism (tp={tp}) needs {contract.description}.tp_plan: a dict from module name "
             "globs to styles, e.g. {'blocks.*.attn.q': 'colwise', 'blocks.*.attn.proj': 'rowwise'}. "
             f"Styles: {', '.join(STYLES)}. Or use a mesh without a tp axis."
         )
+    _check_divisors(contract, tp)
     plan: dict[str, ParallelStyle] = {}
     for pattern, style in declared.items():
         for fqn, module in select(model, [pattern], "tp_plan"):
@@ -156,39 +182,61 @@ def tensor_parallel_plan(
             resolved = tp_style(style, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
             if resolved is not None:
                 plan[fqn] = resolved
-    _check_head_counts(model, plan, tp)
     return plan
 
 
-def _check_head_counts(model: nn.Module, plan: Mapping[str, Any], tp: int) -> None:
-    for fqn, module in model.named_modules():
-        heads = next((getattr(module, a) for a in HEAD_COUNT_ATTRS if isinstance(getattr(module, a, None), int)), None)
-        if heads is None or not any(p.startswith(f"{fqn}.") for p in plan):
-            continue
-        if heads % tp:
+def _check_divisors(contract: ParallelPlan, tp: int) -> None:
+    """Every count the plan says tp must divide (head counts: a rank must hold whole heads)."""
+    for what, count in contract.tp_divisors.items():
+        if count % tp:
+            fits = [d for d in range(1, count + 1) if count % d == 0]
+            fewer = max(d for d in fits if tp % d == 0)  # keeps the world size: fsdp grows by tp / fewer
             raise PlanError(
-                f"{type(model).__name__}.{fqn} has {heads} attention heads, which tp={tp} does not divide: "
-                "a tensor-parallel rank must hold whole heads. Fix: a tp that divides the head count."
+                f"{contract.description} has {count} {what}, which tp={tp} does not divide: a tensor-parallel rank "
+                f"must hold whole heads. Fix: a tp that divides {count} ({', '.join(map(str, fits))}), e.g. "
+                f'mesh_shape [[-1, {fewer}], ["fsdp", "tp"]].'
             )
 
 
 def apply_tensor_parallel(
-    model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = True, loss_parallel: bool = False
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    *,
+    sequence_parallel: bool = True,
+    loss_parallel: bool = False,
+    contract: ParallelPlan | None = None,
 ) -> nn.Module:
-    """Shard `model` in place over the 1-D `tp_mesh` following its `tp_plan`."""
+    """Shard `model` in place over the 1-D `tp_mesh` following its plan.
+
+    Tied weights (an input embedding shared with the output head) stay tied: torch's styles replace each module's
+    parameters on their own, so the first name's sharded parameter is put back under the others. Their styles
+    must shard them alike (vocab_embedding and vocab_head both split the vocabulary rows).
+    """
     from torch.distributed.tensor.parallel import parallelize_module
 
-    plan = tensor_parallel_plan(model, tp_mesh.size(), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    return parallelize_module(model, tp_mesh, plan)
+    tied = tied_parameters(model)
+    plan = tensor_parallel_plan(
+        model, tp_mesh.size(), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, contract=contract
+    )
+    parallelize_module(model, tp_mesh, plan)
+    for first, *others in tied:
+        placements = {name: getattr(model.get_parameter(name), "placements", None) for name in (first, *others)}
+        if len(set(placements.values())) > 1:
+            raise PlanError(
+                f"{' and '.join(placements)} are one tied parameter, but the tp plan splits them differently "
+                f"({placements}). Fix: give them the styles vocab_embedding and vocab_head, or untie them."
+            )
+    retie(model, tied)
+    return model
 
 
-def fsdp_units(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def fsdp_units(model: nn.Module, contract: ParallelPlan | None = None) -> list[tuple[str, nn.Module]]:
     """The modules to shard as their own FSDP groups (the root is wrapped separately, last).
 
-    From `fsdp_units` globs when declared; otherwise each child of the model's largest `nn.ModuleList`
+    From the plan's `fsdp_units` globs when declared; otherwise each child of the model's largest `nn.ModuleList`
     (the transformer blocks in most models).
     """
-    declared = getattr(model, "fsdp_units", None)
+    declared = (contract or parallel_plan(model)).fsdp_units
     if declared is not None:
         return select(model, declared, "fsdp_units")
     lists = [(fqn, m) for fqn, m in model.named_modules() if isinstance(m, nn.ModuleList)]
@@ -309,17 +357,23 @@ def parallelize(
     """
     from parallelkit.mesh import data_parallel_mesh
 
+    contract = parallel_plan(model)
     names = mesh.mesh_dim_names or ()
     if "tp" in names and mesh["tp"].size() > 1:
-        apply_tensor_parallel(model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
-    units = [(fqn, runnable_unit(model, fqn, unit)) for fqn, unit in fsdp_units(model)]
+        apply_tensor_parallel(
+            model, mesh["tp"], sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, contract=contract
+        )
+    units = [(fqn, runnable_unit(model, fqn, unit)) for fqn, unit in fsdp_units(model, contract)]
     if stages is None:
         roots = [(model, [unit for _, unit in units])]
     else:
         kept = {name for stage in stages for name in stage}
-        drop_layers(model, [name for name in pipeline_layer_names(model) if name not in kept])
+        drop_layers(model, [name for name in pipeline_layer_names(model, contract) if name not in kept])
         roots = [
-            (StageModule(model, stage), [u for fqn, u in units if any(_inside(fqn, layer) for layer in stage)])
+            (
+                StageModule(model, stage, contract),
+                [u for fqn, u in units if any(_inside(fqn, layer) for layer in stage)],
+            )
             for stage in stages
         ]
     dp_mesh = data_parallel_mesh(mesh)
@@ -343,15 +397,18 @@ def _inside(fqn: str, layer: str) -> bool:
     return fqn == layer or fqn.startswith(f"{layer}.")
 
 
-def pipeline_layer_names(model: nn.Module) -> list[str]:
-    """The model's `pipeline_layers` globs expanded to module names, in execution order.
+def pipeline_layer_names(model: nn.Module, contract: ParallelPlan | None = None) -> list[str]:
+    """The plan's `pipeline_layers` globs expanded to module names, in execution order.
 
     Each layer's output feeds the next; every parameter must live in exactly one layer.
     """
-    declared = getattr(model, "pipeline_layers", None)
+    contract = contract or parallel_plan(model)
+    if contract.pipeline_refusal:
+        raise PlanError(f"{contract.description}: {contract.pipeline_refusal}")
+    declared = contract.pipeline_layers
     if not declared:
         raise PlanError(
-            f"pipeline parallelism needs {type(model).__name__}.pipeline_layers: module names in execution "
+            f"pipeline parallelism needs {contract.description}.pipeline_layers: module names in execution "
             "order, each layer's output feeding the next, e.g. ['tok_emb', 'blocks.*', 'norm', 'head'], and a "
             "pipeline_loss(output, target) method."
         )
@@ -370,8 +427,10 @@ def pipeline_layer_names(model: nn.Module) -> list[str]:
         for param_name, param in model.get_submodule(name).named_parameters():
             if id(param) in owners:
                 raise PlanError(
-                    f"{type(model).__name__}.{name}.{param_name} is the same tensor as {owners[id(param)]}: tied "
-                    "weights cannot be split across pipeline stages. Untie them (e.g. separate embedding and head)."
+                    f"{contract.description}.{name}.{param_name} is the same tensor as {owners[id(param)]}: tied "
+                    "weights cannot be split across pipeline stages. Untie them (e.g. separate embedding and head; "
+                    "for a Hugging Face model, tie_word_embeddings: false in its config), or train without pipeline "
+                    "parallelism (fsdp_tp)."
                 )
             owners[id(param)] = f"{name}.{param_name}"
     outside = [n for n, p in model.named_parameters() if id(p) not in owners]
@@ -443,11 +502,18 @@ def _balanced_starts(sizes: list[int], num_stages: int) -> list[int]:
 
 class StageModule(nn.Module):
     """The layers of one pipeline stage, registered under their original names (`blocks.3` stays `blocks.3`),
-    so state dicts, and so checkpoints, are the same whatever the layout."""
+    so state dicts, and so checkpoints, are the same whatever the layout. Run as the plan's `stage_forward` says
+    (by default, each layer on the previous one's output)."""
 
-    def __init__(self, model: nn.Module, layers: list[str]) -> None:
+    def __init__(self, model: nn.Module, layers: list[str], contract: ParallelPlan | None = None) -> None:
         super().__init__()
-        for name in layers:
+        contract = contract or parallel_plan(model)
+        for name in [*layers, *contract.stage_modules]:
+            if name in contract.stage_modules and any(True for _ in model.get_submodule(name).parameters()):
+                raise PlanError(
+                    f"{contract.description}: stage module {name} holds parameters; every pipeline stage gets it, "
+                    "so it must hold buffers only (list it in pipeline_layers instead)."
+                )
             *parents, leaf = name.split(".")
             owner: nn.Module = self
             for part in parents:
@@ -456,10 +522,14 @@ class StageModule(nn.Module):
                 owner = getattr(owner, part)
             owner.add_module(leaf, model.get_submodule(name))
         self.layer_names = list(layers)
-        self._layers = [self.get_submodule(name) for name in layers]  # a plain list: not registered twice
+        self._layers = [(name, self.get_submodule(name)) for name in layers]  # a plain list: not registered twice
+        self._forward = contract.stage_forward
 
-    def forward(self, x: Any) -> Any:
-        for layer in self._layers:
+    def forward(self, *args: Any) -> Any:
+        if self._forward is not None:
+            return self._forward(self._layers, *args)
+        (x,) = args
+        for _, layer in self._layers:
             x = layer(x)
         return x
 

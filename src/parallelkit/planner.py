@@ -40,10 +40,6 @@ from parallelkit.mesh import MeshSpec
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """fp32 states per parameter that each optimizer keeps."""
 
-SHARDING_STYLES = ("colwise", "rowwise", "vocab_embedding", "vocab_head")
-GATHERING_STYLES = ("colwise", "vocab_head")
-"""Styles whose input sequence parallelism all-gathers (and autograd then keeps whole)."""
-
 
 @dataclass(frozen=True)
 class Hardware:
@@ -134,14 +130,23 @@ class Estimate:
         return {**asdict(self), "state": self.state, "tensor_peak": self.tensor_peak, "peak": self.peak}
 
 
-class _FlashOnMeta(torch.overrides.TorchFunctionMode):
-    """Meta tensors pick SDPA's math path, which keeps the T x T attention matrix; real runs use a flash kernel
-    that keeps q, k, v, the output and the log-sum-exp. Count what real runs keep."""
+class _MetaForward(torch.overrides.TorchFunctionMode):
+    """What a meta forward needs to count what a real one keeps.
+
+    Meta tensors pick SDPA's math path, which keeps the T x T attention matrix; real runs use a flash kernel that
+    keeps q, k, v, the output and the log-sum-exp: attention is run as that kernel (grouped-query key/value heads
+    repeated, as the kernel takes them). And a meta tensor has no value to branch on: model code that asks one
+    for a truth value (transformers checks whether positions restart, i.e. sequences are packed) is told "true",
+    the unpacked, unpadded case of a training batch of full windows."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
+        if func is torch.Tensor.__bool__ and args[0].is_meta:
+            return True
         if func is torch.nn.functional.scaled_dot_product_attention and kwargs.get("attn_mask") is None:
             q, k, v = args[:3]
+            if k.shape[-3] != q.shape[-3]:  # grouped-query attention
+                k, v = (t.repeat_interleave(q.shape[-3] // t.shape[-3], dim=-3) for t in (k, v))
             return flash_attention_on_cpu(q, k, v, bool(kwargs.get("is_causal", False)), kwargs.get("scale"))
         return func(*args, **kwargs)
 
@@ -159,14 +164,25 @@ def profile(
 ) -> ModelProfile:
     """Count `model` (on the meta device) per pipeline layer, running one meta forward of one sample."""
     from parallelkit.callbacks.activations import _SavedTensorLedger
-    from parallelkit.plan import fsdp_units, pipeline_layer_names, select, tensor_parallel_plan
+    from parallelkit.contract import parallel_plan
+    from parallelkit.plan import (
+        GATHERING_STYLES,
+        SHARDING_STYLES,
+        fsdp_units,
+        pipeline_layer_names,
+        select,
+        tensor_parallel_plan,
+    )
 
-    declared = getattr(model, "pipeline_layers", None)
-    names = pipeline_layer_names(model) if declared else []
-    units = {fqn for fqn, _ in fsdp_units(model)}
+    contract = parallel_plan(model)
+    try:
+        names = pipeline_layer_names(model, contract) if contract.pipeline_layers else []
+    except PlanError:  # not pipelinable (e.g. tied embeddings): one layer, so no pipeline layout is a candidate
+        names = []
+    units = {fqn for fqn, _ in fsdp_units(model, contract)}
     sharded: set[int] = set()
     tp_modules: list[tuple[nn.Module, str]] = []
-    for pattern, style in (getattr(model, "tp_plan", None) or {}).items():
+    for pattern, style in contract.tp.items():
         for _, module in select(model, [pattern], "tp_plan"):
             if style in SHARDING_STYLES:
                 sharded.update(id(p) for p in module.parameters())
@@ -209,12 +225,11 @@ def profile(
     vocab = vocab_size or (embeddings[0] if embeddings else 2)
     tokens = torch.randint(0, vocab, (1, seq_len), device="meta")
     try:
-        with torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack), _FlashOnMeta():
+        with torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack), _MetaForward():
             output = model(tokens)
             before_loss = ledger.live
-            loss_fn = getattr(model, "pipeline_loss", None)
-            if loss_fn is not None:
-                loss_fn(output, tokens)
+            if contract.loss is not None:
+                contract.loss(output, tokens)
     finally:
         for handle in handles:
             handle.remove()
@@ -242,13 +257,13 @@ def profile(
     for tp in tp_degrees:
         try:
             if tp > 1:
-                tensor_parallel_plan(model, tp)
+                tensor_parallel_plan(model, tp, contract=contract)
             valid[tp] = ""
         except PlanError as err:
             valid[tp] = str(err)
-    flops = getattr(model, "flops_per_token", None)
-    flops_per_token = flops(seq_len) if callable(flops) else 6.0 * sum(layer.params for layer in layers)
-    return ModelProfile(type(model).__name__, layers, loss_activations, flops_per_token, valid)
+    flops = contract.flops_per_token
+    flops_per_token = flops(seq_len) if flops is not None else 6.0 * sum(layer.params for layer in layers)
+    return ModelProfile(contract.description, layers, loss_activations, flops_per_token, valid)
 
 
 def _in_flight(schedule: str | None, pp: int, stage: int, microbatches: int, virtual: int) -> float:

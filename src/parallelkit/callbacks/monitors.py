@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from parallelkit.callbacks.activations import SavedTensorWindow
 from parallelkit.compat import should_accumulate, throughputs
+from parallelkit.contract import parallel_plan
 from parallelkit.mesh import data_parallel_size
 
 
@@ -32,14 +33,16 @@ class ThroughputMonitor(LightningThroughputMonitor):
     """Lightning's ThroughputMonitor for token batches `(inputs, targets)`, counting replicas, not processes.
 
     Logs `train/samples_per_sec` and `train/items_per_sec` (tokens/s) for the whole job, `train/device/...` for
-    rank 0, and MFU (`train/device/mfu`) when the device's peak FLOP/s are known (CUDA) and the model has a
-    `flops_per_batch` attribute (FLOPs one process performs per batch, as `parallelkit.models.GPT` gives).
+    rank 0, and MFU (`train/device/mfu`) when the device's peak FLOP/s are known (CUDA). FLOPs come from the model's
+    plan (`flops_per_token`, `parallelkit.contract`): before each batch the monitor sets the module's
+    `flops_per_batch`, Lightning's attribute, to what this process performs (its layers, its tp share).
     Tensor- and pipeline-parallel ranks of one replica share a batch, so the job-wide figures scale with the
     data-parallel size, where Lightning's would multiply by the world size.
 
     Args:
-        batch_size_fn: Samples in a batch (default: `batch[0].size(0)`).
-        length_fn: Tokens in a batch (default: `batch[0].numel()`).
+        batch_size_fn: Samples in a batch (default: the batch's inputs' first dim, the inputs as the model's plan
+            finds them in a batch: `batch[0]` of `(inputs, targets)`).
+        length_fn: Tokens in a batch (default: the number of elements of the inputs).
         window_size: Steps the rates are averaged over (they appear once that many steps have run).
         **kwargs: Passed to Lightning's `Throughput`.
     """
@@ -60,6 +63,28 @@ class ThroughputMonitor(LightningThroughputMonitor):
                 world_size=data_parallel_size(trainer.strategy),
                 **self.kwargs,
             )
+        self._plan = parallel_plan(pl_module)
+        self._flops_per_token: dict[int, float] = {}
+        split = self._plan.split_batch  # the model's batch convention: its inputs are what is counted
+        if self.batch_size_fn is _samples:
+            self.batch_size_fn = lambda batch: _samples(split(batch))
+        if self.length_fn is _tokens:
+            self.length_fn = lambda batch: _tokens(split(batch))
+
+    @override
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        if self._plan.flops_per_token is None:
+            return
+        inputs, _ = self._plan.split_batch(batch)
+        seq_len = inputs.size(1)
+        if seq_len not in self._flops_per_token:  # the layers this process holds (a pipeline stage: its own)
+            self._flops_per_token[seq_len] = self._plan.flops_per_token(seq_len)
+        # Parameter counts are global (DTensor): the tp ranks of a replica split each layer's work between them.
+        spec = getattr(trainer.strategy, "mesh_spec", None)
+        tp = spec.size("tp") if spec is not None else 1
+        pl_module.flops_per_batch = self._flops_per_token[seq_len] * inputs.numel() / tp
 
 
 class _ReplicaThroughput(Throughput):

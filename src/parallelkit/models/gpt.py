@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import math
 
-import lightning as L
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor
-from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from parallelkit.errors import ConfigError
-from parallelkit.mesh import data_parallel_group
+from parallelkit.models.lm import CausalLM
 
 
 def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
@@ -74,7 +71,7 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x))
 
 
-class GPT(L.LightningModule):
+class GPT(CausalLM):
     """Decoder-only transformer language model (byte-level by default) that parallelkit parallelises.
 
     Args:
@@ -133,7 +130,6 @@ class GPT(L.LightningModule):
         self.blocks = nn.ModuleList(Block(n_embd, n_head, mlp_ratio) for _ in range(n_layer))
         self.norm = nn.RMSNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
-        self.val_loss = MeanMetric()
         self.init_weights()
 
     @torch.no_grad()
@@ -156,19 +152,6 @@ class GPT(L.LightningModule):
             x = block(x)
         return self.head(self.norm(x))
 
-    def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token cross-entropy; works on vocab-sharded logits under `loss_parallel()`."""
-        # In fp32 whatever the compute dtype: a bf16 log-softmax over the vocabulary loses digits.
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-        # Under loss parallelism the loss is a replicated DTensor; logging and metrics want a plain tensor.
-        return loss.to_local() if isinstance(loss, DTensor) else loss
-
-    @override
-    def setup(self, stage: str) -> None:
-        # Metrics average over the data-parallel group only: tp/pp ranks of one replica hold the same batch.
-        self.dp_group = data_parallel_group(self.trainer.strategy)
-        self.val_loss.process_group = self.dp_group
-
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token of the layers this module holds (all of them unless a
         pipeline stage dropped some): 6 per weight of every matrix multiply (the embedding lookup is none), plus
@@ -176,85 +159,3 @@ class GPT(L.LightningModule):
         matmul = sum(p.numel() for name, p in self.named_parameters() if p.ndim == 2 and not name.startswith("tok_"))
         blocks = sum(block is not None for block in self.blocks)
         return 6.0 * matmul + 12.0 * blocks * self.hparams.n_embd * seq_len
-
-    @override
-    def on_train_batch_start(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        # What ThroughputMonitor reads for MFU: the FLOPs this process performs on its batch. Parameter sizes
-        # are global (DTensor), and the tp ranks of a replica split each layer's work between them.
-        if not hasattr(self, "_flops_per_token"):
-            self._flops_per_token = self.flops_per_token(batch[0].size(1))
-        spec = getattr(self.trainer.strategy, "mesh_spec", None)
-        self.flops_per_batch = self._flops_per_token * batch[0].numel() / (spec.size("tp") if spec else 1)
-
-    @override
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = self.pipeline_loss(self(x), y)
-        self.log(
-            "train_loss",
-            loss,
-            on_step=True,
-            prog_bar=True,
-            sync_dist=True,
-            sync_dist_group=self.dp_group,
-        )
-        return loss
-
-    @override
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        x, y = batch
-        self.val_loss.update(self.pipeline_loss(self(x), y))
-
-    @override
-    def on_validation_epoch_end(self) -> None:
-        if not self.val_loss.update_called:
-            return  # a pipeline strategy ran validation and logged val_loss itself
-        loss = self.val_loss.compute()
-        self.val_loss.reset()
-        self.log_epoch_loss("val", loss)
-
-    @override
-    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
-        self.validation_step(batch, batch_idx)
-
-    @override
-    def on_test_epoch_end(self) -> None:
-        if not self.val_loss.update_called:
-            return  # a pipeline strategy ran the test and logged test_loss itself
-        loss = self.val_loss.compute()
-        self.val_loss.reset()
-        self.log_epoch_loss("test", loss)
-
-    @override
-    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor] | torch.Tensor, batch_idx: int) -> torch.Tensor:
-        """Logits for the batch's inputs: the first element of an `(inputs, targets)` batch, or the batch itself."""
-        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
-        return self(inputs)
-
-    def log_epoch_loss(self, stage: str, loss: torch.Tensor) -> None:
-        """Log `<stage>_loss` and `<stage>_ppl` from the metric's value, which every data-parallel rank already
-        shares (the metric synchronised it): the mean over the group that `sync_dist` asks for leaves it as is, and
-        tells Lightning the value is not one rank's."""
-        self.log(f"{stage}_loss", loss, prog_bar=stage == "val", sync_dist=True, sync_dist_group=self.dp_group)
-        self.log(f"{stage}_ppl", loss.exp(), sync_dist=True, sync_dist_group=self.dp_group)
-
-    @override
-    def configure_optimizers(self) -> dict:
-        hp = self.hparams
-        decay = [p for p in self.parameters() if p.ndim >= 2]
-        no_decay = [p for p in self.parameters() if p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr,
-            betas=hp.betas,
-        )
-        total = max(int(self.trainer.estimated_stepping_batches), 1)
-
-        def schedule(step: int) -> float:
-            if step < hp.warmup_steps:
-                return (step + 1) / hp.warmup_steps
-            progress = min((step - hp.warmup_steps) / max(total - hp.warmup_steps, 1), 1.0)
-            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}

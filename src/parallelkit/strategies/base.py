@@ -150,6 +150,28 @@ class ParallelkitStrategy(ModelParallelStrategy):
             )
         super()._configure_launcher()
 
+    def check_model(self, model: Any) -> Any:
+        """Refuse a model this layout cannot split (e.g. tp not dividing its key/value heads) with a `PlanError`.
+        The CLI calls it before any worker starts; `setup` meets the same errors on every rank otherwise. A model
+        that overrides `configure_model()` parallelises itself and is not checked here."""
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        from parallelkit.plan import tensor_parallel_plan
+
+        tp = self.mesh_spec.size("tp")
+        if tp > 1 and not is_overridden("configure_model", model):
+            tensor_parallel_plan(model, tp, **self.tp_options())
+        return None
+
+    def tp_options(self) -> dict[str, bool]:
+        """How tensor-parallel styles are resolved: sequence parallelism (default on when tp > 1), loss parallelism."""
+        return {
+            "sequence_parallel": self.mesh_spec.size("tp") > 1
+            if self.sequence_parallel is None
+            else self.sequence_parallel,
+            "loss_parallel": self.loss_parallel,
+        }
+
     def layout(self) -> dict[str, Any]:
         """The run's parallel layout: strategy, mesh and the size of every axis (1 where the mesh has none)."""
         spec = self.mesh_spec
@@ -235,10 +257,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
     def parallelize_options(self) -> dict[str, Any]:
         """The inner-axis options every strategy passes to `plan.parallelize`."""
         return {
-            "sequence_parallel": self.mesh_spec.size("tp") > 1
-            if self.sequence_parallel is None
-            else self.sequence_parallel,
-            "loss_parallel": self.loss_parallel,
+            **self.tp_options(),
             "activation_checkpointing": self.activation_checkpointing,
             "reshard_after_forward": self.reshard_after_forward,
             "param_dtype": self.precision_plugin.param_dtype,

@@ -6,7 +6,7 @@ step: it zeroes gradients where the loop would (the first micro-step of each acc
 schedule, and tells the loop to skip its own zero_grad and backward (`fit_loop._skip_backward`, the switch
 Lightning's StochasticWeightAveraging uses). Optimizer step, LR schedulers, gradient clipping (global norm
 across stages and shards) and accumulation keep their meaning. Because no rank holds the whole model, the
-strategy computes the loss with the model's `pipeline_loss` on the last stage and logs `train_loss`,
+strategy computes the loss with the model plan's `loss` on the last stage and logs `train_loss`,
 `val_loss` and `test_loss` itself, broadcast to every stage.
 """
 
@@ -25,6 +25,7 @@ from typing_extensions import override
 
 from parallelkit.comm import CommHook
 from parallelkit.compat import quiet_root_view_warning, skip_loop_backward
+from parallelkit.contract import ParallelPlan, parallel_plan
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.mesh import data_parallel_group
 from parallelkit.plan import parallelize, pipeline_layer_names, split_stages
@@ -185,18 +186,8 @@ class PipelineStrategy(ParallelkitStrategy):
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         module = self.lightning_module
-        if is_overridden("configure_model", module):
-            raise PlanError(
-                f"{type(module).__name__} overrides configure_model(), but pipeline strategies build stages from "
-                "pipeline_layers and cannot split a model that parallelised itself. Remove configure_model() "
-                "or use strategy='fsdp_tp'."
-            )
-        layers = pipeline_layer_names(module)
-        if not callable(getattr(module, "pipeline_loss", None)):
-            raise PlanError(
-                f"{type(module).__name__} has no pipeline_loss(output, target): the last pipeline stage needs it to "
-                "compute the loss."
-            )
+        layers = self.check_model(module)
+        self._contract = parallel_plan(module)
         pp_mesh = self.device_mesh["pp"]
         stages = split_stages(module, layers, self.num_stages, self.split_points)
         # Loop placement, as torch's interleaved schedules expect: rank r holds stages r, r + pp, r + 2 pp, ...
@@ -230,10 +221,29 @@ class PipelineStrategy(ParallelkitStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             skip_loop_backward(trainer)  # the schedule runs backward itself
 
+    @override
+    def check_model(self, model: Any) -> list[str]:
+        """Refuse a model that cannot be pipelined (and what `fsdp_tp` refuses); returns its pipeline layers."""
+        super().check_model(model)
+        contract: ParallelPlan = parallel_plan(model)
+        if is_overridden("configure_model", model):
+            raise PlanError(
+                f"{contract.description} overrides configure_model(), but pipeline strategies build stages from "
+                "pipeline_layers and cannot split a model that parallelised itself. Remove configure_model() "
+                "or use strategy='fsdp_tp'."
+            )
+        layers = pipeline_layer_names(model, contract)
+        if contract.loss is None:
+            raise PlanError(
+                f"{contract.description} has no pipeline_loss(output, target): the last pipeline stage needs it to "
+                "compute the loss."
+            )
+        return layers
+
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._predicting:  # torch's schedules compute a loss on the last stage whatever the step is for
             return output.new_zeros(())
-        return self.lightning_module.pipeline_loss(output, target) / self._loss_scale
+        return self._contract.loss(output, target) / self._loss_scale
 
     def _check_batch(self, inputs: torch.Tensor) -> None:
         if inputs.shape[0] % self.microbatches:
@@ -245,7 +255,7 @@ class PipelineStrategy(ParallelkitStrategy):
 
     def _run(self, batch: Any, *, train: bool) -> torch.Tensor:
         """One schedule step over a process's batch; returns its mean loss, the same on every stage."""
-        inputs, target = batch
+        inputs, target = self._contract.split_batch(batch)
         self._check_batch(inputs)
         # The whole batch's mean loss is the mean over microbatches; Lightning also divides by
         # accumulate_grad_batches before its own backward. Both divisions happen here, on each microbatch.
@@ -307,8 +317,8 @@ class PipelineStrategy(ParallelkitStrategy):
 
     @override
     def predict_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
-        """The last stage's output for the batch's inputs (the first element of a tuple batch), on every rank."""
-        inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
+        """The last stage's output for the batch's inputs (as the plan's `split_batch` finds them), on every rank."""
+        inputs = self._contract.split_batch(batch)[0] if isinstance(batch, (tuple, list, dict)) else batch
         self._check_batch(inputs)
         args = (inputs,) if self._has_first else ()
         target = inputs.new_zeros(inputs.shape[0]) if self._has_last else None  # the schedule wants one

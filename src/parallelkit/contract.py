@@ -1,0 +1,105 @@
+"""The model contract as one object: what a model tells parallelkit about how it may be parallelised.
+
+Strategies, the planner and the monitors read a `ParallelPlan` and nothing else of the model's; none of them
+names a model class or a model's attributes. A model provides its plan in one of two ways:
+
+- a `parallel_plan()` method returning a `ParallelPlan` (`parallelkit.models.HFCausalLM` reads a Hugging Face
+  model's own plans this way);
+- the class attributes of DESIGN.md's model contract (`tp_plan`, `fsdp_units`, `pipeline_layers`, and the
+  methods `pipeline_loss(output, target)` and `flops_per_token(seq_len)`), which `ParallelPlan.from_attributes`
+  reads. The reference GPT and most user models do this.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import nn
+
+HEAD_COUNT_ATTRS = ("n_head", "num_heads")
+"""Attributes by which a module written to the attribute contract states its head count (tp must divide it)."""
+
+
+def split_pair(batch: Any) -> tuple[Any, Any]:
+    """The default batch convention: `(inputs, target)`."""
+    inputs, target = batch
+    return inputs, target
+
+
+@dataclass
+class ParallelPlan:
+    """How a model is split. Module names are FQNs relative to the LightningModule, with `*` for one path segment.
+
+    Attributes:
+        tp: Module glob -> tensor-parallel style: a name from `parallelkit.plan.STYLES` or a torch `ParallelStyle`.
+        fsdp_units: Module globs sharded as their own FSDP groups. None: each child of the largest `nn.ModuleList`.
+        pipeline_layers: Module globs in execution order; a pipeline stage runs a contiguous run of them.
+        pipeline_refusal: Why this model cannot be pipelined, as the error a pipeline strategy raises (empty: it can).
+        tp_refusal: Why this model cannot be tensor-parallel, as the error a tp > 1 layout raises (empty: it can).
+        tp_divisors: Counts that the tp degree must divide, by what they count (e.g. {"key/value heads": 2}):
+            whole heads per rank. Sizes of split weights are checked from the modules themselves.
+        loss: `loss(output, target)`: the mean loss of a batch from the model's output (the last pipeline stage
+            calls it). Must be `F.cross_entropy` based for loss parallelism.
+        split_batch: A batch as `(inputs, target)`: inputs feed the first pipeline stage, target the loss.
+        stage_forward: How a pipeline stage runs its layers: `stage_forward(layers, *args)`, with `layers` the
+            stage's `(name, module)` in order and `args` what the previous stage returned (the first stage gets the
+            inputs). May return a tuple: the next stage receives it as its arguments. None: each layer is called on
+            the previous one's output (one tensor in, one out).
+        stage_modules: Modules every pipeline stage needs besides its layers (e.g. a rotary-embedding table that
+            each stage recomputes positions with). They must hold no parameters.
+        flops_per_token: `flops_per_token(seq_len)`: training FLOPs per token of the whole model.
+        description: What the plan came from, for error messages (e.g. "HFCausalLM (llama)").
+    """
+
+    tp: Mapping[str, Any] = field(default_factory=dict)
+    fsdp_units: Sequence[str] | None = None
+    pipeline_layers: Sequence[str] | None = None
+    pipeline_refusal: str = ""
+    tp_refusal: str = ""
+    tp_divisors: Mapping[str, int] = field(default_factory=dict)
+    loss: Callable[[Any, Any], Any] | None = None
+    split_batch: Callable[[Any], tuple[Any, Any]] = split_pair
+    stage_forward: Callable[..., Any] | None = None
+    stage_modules: Sequence[str] = ()
+    flops_per_token: Callable[[int], float] | None = None
+    description: str = ""
+
+    @classmethod
+    def from_attributes(cls, model: nn.Module) -> ParallelPlan:
+        """The plan a model declares through DESIGN.md's class attributes and methods."""
+        loss = getattr(model, "pipeline_loss", None)
+        flops = getattr(model, "flops_per_token", None)
+        return cls(
+            tp=dict(getattr(model, "tp_plan", None) or {}),
+            fsdp_units=getattr(model, "fsdp_units", None),
+            pipeline_layers=getattr(model, "pipeline_layers", None),
+            tp_divisors=_declared_head_counts(model, getattr(model, "tp_plan", None) or {}),
+            loss=loss if callable(loss) else None,
+            flops_per_token=flops if callable(flops) else None,
+            description=type(model).__name__,
+        )
+
+
+def parallel_plan(model: nn.Module) -> ParallelPlan:
+    """`model`'s plan: from its `parallel_plan()` method if it has one, else from its class attributes."""
+    provider = getattr(model, "parallel_plan", None)
+    plan = provider() if callable(provider) else ParallelPlan.from_attributes(model)
+    if not plan.description:
+        plan.description = type(model).__name__
+    return plan
+
+
+def _declared_head_counts(model: nn.Module, tp: Mapping[str, Any]) -> dict[str, int]:
+    """Head counts stated as `n_head`/`num_heads` by modules that the tp plan splits inside."""
+    from parallelkit.plan import matches
+
+    split_modules = [fqn for fqn, _ in model.named_modules() if any(matches(p, fqn) for p in tp)]
+    counts = {}
+    for fqn, module in model.named_modules():
+        heads = next((getattr(module, a) for a in HEAD_COUNT_ATTRS if isinstance(getattr(module, a, None), int)), None)
+        split = any(name.startswith(f"{fqn}.") for name in split_modules)
+        if heads is not None and fqn and split:
+            counts[f"attention heads ({fqn})"] = heads
+    return counts

@@ -1,0 +1,274 @@
+"""Any Hugging Face `transformers` causal LM, trained by parallelkit from the model's own parallel plans.
+
+A `transformers` model carries its tensor-parallel plan (`config.base_model_tp_plan` and the head's `_tp_plan`)
+and its pipeline pieces (`config.base_model_pp_plan`). `HFCausalLM` translates them into a `ParallelPlan`, adding
+what a trainer needs and HF leaves out: sequence parallelism on the residual stream (norms, the embedding's
+output), tp divisibility by the query *and* key/value head counts, and pipeline stages that hand each other the
+positions as well as the hidden states. `transformers` is an optional extra (`pip install -e ".[hf]"`), imported
+only when this class is used; nothing is downloaded: a model is built from a config (random init from the seed).
+"""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from typing_extensions import override
+
+from parallelkit.compat import hf_initialize, hf_pp_plan, hf_tp_plan
+from parallelkit.contract import ParallelPlan
+from parallelkit.errors import ConfigError
+from parallelkit.init import building_on_meta, materialize, meta_parameters
+from parallelkit.models.lm import CausalLM
+
+HF_STYLES = {
+    "colwise": "colwise",
+    "rowwise": "rowwise",
+    "colwise_gather_output": "colwise_gather",
+    "embedding_rowwise": "vocab_embedding",
+    "replicated_with_grad_allreduce": "head_norm",
+}
+"""transformers 5.x tensor-parallel style names -> parallelkit's (`parallelkit.plan.STYLES`). The output
+embedding's `colwise_gather_output` becomes `vocab_head` (so loss parallelism can keep its logits sharded)."""
+
+PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+"""Model types whose decoder layers a pipeline stage runs as their base model does (hidden states, rotary
+position embeddings, causal attention without a mask). Checked by loss parity for llama and qwen3."""
+
+SUPPORTED_TRANSFORMERS = ">=5.0,<6"
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as err:
+        raise ConfigError(
+            f"parallelkit.models.HFCausalLM needs transformers{SUPPORTED_TRANSFORMERS}, which is not installed. "
+            'Fix: pip install -e ".[hf]" (or pip install "parallelkit[hf]").'
+        ) from err
+    major = int(transformers.__version__.split(".")[0])
+    if major != 5:
+        raise ConfigError(
+            f"transformers {transformers.__version__} is installed; HFCausalLM reads the parallel plans of "
+            f'transformers{SUPPORTED_TRANSFORMERS}. Fix: pip install "transformers{SUPPORTED_TRANSFORMERS}".'
+        )
+    return transformers
+
+
+def build_config(config: Mapping[str, Any] | str | Path) -> Any:
+    """A transformers config from an inline mapping with `model_type`, or from a local directory's config.json."""
+    transformers = _transformers()
+    if isinstance(config, (str, Path)):
+        path = Path(config)
+        if not (path / "config.json").is_file():
+            raise ConfigError(
+                f"model.config={str(config)!r} is not a directory holding config.json (as save_pretrained writes it). "
+                "Fix: the path of such a directory, or an inline mapping such as {model_type: llama, hidden_size: "
+                "64, ...}. Nothing is downloaded: hub names are not accepted."
+            )
+        return transformers.AutoConfig.from_pretrained(path, local_files_only=True)
+    options = dict(config)
+    model_type = options.pop("model_type", None)
+    if not model_type:
+        raise ConfigError(
+            "model.config has no model_type: name the architecture, e.g. {model_type: llama, hidden_size: 64, "
+            "num_hidden_layers: 2, num_attention_heads: 4, num_key_value_heads: 2, vocab_size: 256}."
+        )
+    if model_type not in transformers.CONFIG_MAPPING:
+        close = difflib.get_close_matches(str(model_type), list(transformers.CONFIG_MAPPING.keys()), n=1)
+        raise ConfigError(
+            f"model.config model_type={model_type!r} is not a model type transformers {transformers.__version__} "
+            f"knows.{f' Did you mean {close[0]!r}?' if close else ''} Fix: e.g. llama, qwen3, mistral, gemma3_text."
+        )
+    try:
+        return transformers.AutoConfig.for_model(model_type, **options)
+    except Exception as err:  # noqa: BLE001 - transformers validates configs with several exception types
+        cause = " ".join(str(err.__cause__ or err).split())
+        raise ConfigError(
+            f"model.config is not a valid {model_type} config: {cause} Fix the sizes in model.init_args.config."
+        ) from err
+
+
+class HFCausalLM(CausalLM):
+    """A Hugging Face causal language model (Llama, Qwen, Mistral, Gemma, ...) built from its config, trained on
+    `(inputs, targets)` token batches under any parallelkit strategy, by the model's own parallel plan.
+
+    Args:
+        config: The architecture: an inline mapping with `model_type` and the config's fields (e.g.
+            `{model_type: llama, hidden_size: 64, num_attention_heads: 4, num_key_value_heads: 2, ...}`), or a local
+            directory holding `config.json`. Weights start from the seed (the model's own initialisation).
+        attn_implementation: transformers' attention kernel ("sdpa", "eager", ...).
+        lr: Peak AdamW learning rate, reached after the warmup.
+        weight_decay: AdamW weight decay, applied to matrices and embeddings only (not norms).
+        betas: AdamW betas.
+        warmup_steps: Optimizer steps of linear warmup from 0 to `lr`.
+        min_lr_ratio: The cosine decay ends at `lr * min_lr_ratio` on the run's last step.
+    """
+
+    def __init__(
+        self,
+        config: dict[str, Any] | str,
+        attn_implementation: str = "sdpa",
+        lr: float = 3e-3,
+        weight_decay: float = 0.1,
+        betas: tuple[float, float] = (0.9, 0.95),
+        warmup_steps: int = 10,
+        min_lr_ratio: float = 0.1,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        transformers = _transformers()
+        hf_config = build_config(config)
+        eager = not building_on_meta()
+        # Always built without storage, then (unless a strategy will) allocated and initialised exactly as
+        # meta_init does after sharding: so the eager build and a meta_init run hold the same weights.
+        with meta_parameters():
+            self.model = transformers.AutoModelForCausalLM.from_config(
+                hf_config, attn_implementation=attn_implementation
+            )
+        self._plan: ParallelPlan | None = None
+        if eager:
+            materialize(self, torch.device("cpu"), dict(self.named_modules()))
+
+    @property
+    def config(self) -> Any:
+        """The transformers config."""
+        return self.model.config
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """The model's own initialisation (transformers' `_init_weights` for every module); strategies call it after
+        materialising a meta-device model, `parallelkit.init` making it layout-independent."""
+        hf_initialize(self.model)
+
+    @override
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # Positions from the whole sequence: under sequence parallelism the embedding's output (from which
+        # transformers would count them) holds only this rank's part of it.
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+        hidden = self.model.base_model(input_ids=input_ids, position_ids=positions, use_cache=False)
+        return self._logits(self.model.get_output_embeddings()(hidden.last_hidden_state))
+
+    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = getattr(self.config, "final_logit_softcapping", None)
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    # -- the parallel plan -----------------------------------------------------------------------------------
+    def _names(self) -> dict[str, str]:
+        """Module names, relative to this LightningModule, of the pieces the plan refers to."""
+        base = f"model.{self.model.base_model_prefix}"
+        head = next(name for name, m in self.model.named_modules() if m is self.model.get_output_embeddings())
+        embed = next(name for name, m in self.model.named_modules() if m is self.model.get_input_embeddings())
+        return {"base": base, "head": f"model.{head}", "embed": f"model.{embed}", "layers": f"{base}.layers"}
+
+    def parallel_plan(self) -> ParallelPlan:
+        """The model's own plans, translated (see the module's docstring). Read once, from the whole model (a
+        pipeline stage later drops the layers it does not hold)."""
+        if self._plan is None:
+            self._plan = self._read_plan()
+        return self._plan
+
+    def _read_plan(self) -> ParallelPlan:
+        config, names = self.config, self._names()
+        description = f"{type(self).__name__} ({config.model_type})"
+        tp: dict[str, str] = {}
+        untranslated = {}
+        for pattern, style in hf_tp_plan(self.model).items():
+            if style not in HF_STYLES:
+                untranslated[pattern] = style
+                continue
+            tp[f"model.{pattern}"] = "vocab_head" if f"model.{pattern}" == names["head"] else HF_STYLES[style]
+        refusal = ""
+        if untranslated:
+            pattern, style = next(iter(untranslated.items()))
+            refusal = (
+                f"its tensor-parallel plan gives {pattern} the style {style!r}, which parallelkit does not translate; "
+                f"it translates {', '.join(HF_STYLES)}. Fix: train it without a tp axis (e.g. mesh_shape [[-1], "
+                '["fsdp"]]), or give it a plan (subclass HFCausalLM and override parallel_plan()).'
+            )
+        tp.setdefault(names["embed"], "vocab_embedding")
+        tp.setdefault(names["head"], "vocab_head")
+        # The residual stream between blocks is sequence-sharded under sequence parallelism: the norms on it
+        # compute on their rank's part (no-ops otherwise).
+        layers = self.model.get_submodule(names["layers"].removeprefix("model."))
+        for child, module in layers[0].named_children():
+            if "norm" in type(module).__name__.lower():
+                tp[f"{names['layers']}.*.{child}"] = "sequence_parallel"
+        if isinstance(getattr(self.model.base_model, "norm", None), nn.Module):
+            tp[f"{names['base']}.norm"] = "sequence_parallel"
+        return ParallelPlan(
+            tp=tp,
+            fsdp_units=[f"{names['layers']}.*"],
+            pipeline_layers=self._pipeline_layers(),
+            pipeline_refusal=self._pipeline_refusal(),
+            tp_refusal=refusal,
+            tp_divisors={
+                "attention heads (num_attention_heads)": config.num_attention_heads,
+                "key/value heads (num_key_value_heads)": getattr(config, "num_key_value_heads", None)
+                or config.num_attention_heads,
+            },
+            loss=self.pipeline_loss,
+            stage_forward=self._run_stage,
+            stage_modules=[f"{names['base']}.rotary_emb"] if hasattr(self.model.base_model, "rotary_emb") else [],
+            flops_per_token=self.flops_per_token,
+            description=description,
+        )
+
+    def _pipeline_layers(self) -> list[str]:
+        layers = []
+        for name in hf_pp_plan(self.model):
+            module = self.model.get_submodule(name)
+            layers.append(f"model.{name}.*" if isinstance(module, nn.ModuleList) else f"model.{name}")
+        return layers
+
+    def _pipeline_refusal(self) -> str:
+        config = self.config
+        if config.model_type not in PIPELINE_FAMILIES:
+            return (
+                f"pipeline stages run a Hugging Face model's decoder layers one by one, as its base model does; "
+                f"parallelkit does this for {', '.join(PIPELINE_FAMILIES)}, not {config.model_type!r} (its forward "
+                "may do more between layers). Fix: train it with fsdp_tp."
+            )
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            return (
+                f"{config.model_type} with sliding_window={config.sliding_window} needs an attention mask per layer, "
+                "which pipeline stages do not build. Fix: sliding_window: null in the config, or fsdp_tp."
+            )
+        return ""
+
+    def _run_stage(self, layers: list[tuple[str, nn.Module]], *args: torch.Tensor) -> Any:
+        """One pipeline stage: the first takes token ids; the others take `(hidden states, positions)` and hand
+        the same on, recomputing the rotary embeddings from the positions; the last returns logits."""
+        base = self.model.base_model
+        if layers[0][1] is self.model.get_input_embeddings():
+            (input_ids,) = args
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
+            x = input_ids
+        else:
+            x, positions = args
+        rotary = None
+        for _, layer in layers:
+            if layer is self.model.get_output_embeddings():
+                return self._logits(layer(x))
+            if isinstance(layer, (nn.Embedding,)) or layer is getattr(base, "norm", None):
+                x = layer(x)
+                continue
+            if rotary is None:
+                rotary = base.rotary_emb(x, positions)
+            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary, use_cache=False)
+            x = x[0] if isinstance(x, tuple) else x
+        return x, positions
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs (forward + backward) per token of the layers this module holds: 6 per weight of every
+        linear layer (the embedding lookup is none), plus 12 x (heads x head_dim) x sequence length per attention
+        layer for scores and values."""
+        config = self.config
+        linear = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        attention = sum(1 for name, _ in self.named_modules() if name.endswith("self_attn"))
+        return 6.0 * linear + 12.0 * attention * config.num_attention_heads * head_dim * seq_len

@@ -1,0 +1,184 @@
+"""Hugging Face causal LMs under every strategy, by the models' own parallel plans (`parallelkit.models.HFCausalLM`):
+per-step losses equal to one process's, built from configs (no download), meta_init on."""
+
+import json
+
+import pytest
+import torch
+import transformers  # noqa: F401  the [hf] extra, which .ci/run installs: missing, these tests fail (never skip)
+import yaml
+from conftest import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses
+
+from parallelkit.contract import parallel_plan
+from parallelkit.errors import PlanError
+from parallelkit.init import materialize, meta_parameters
+from parallelkit.models import HFCausalLM
+from parallelkit.plan import pipeline_layer_names, tensor_parallel_plan
+from parallelkit.planner import Hardware, Workload, plan, profile
+
+LLAMA = "hf_llama.yaml"
+"""A Llama with grouped-query attention (4 heads, 2 key/value heads), untied, on FSDP2 x tp [[2, 2]], meta_init."""
+
+QWEN3 = {
+    "model_type": "qwen3",
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "tie_word_embeddings": True,
+}
+"""Qwen3: per-head norms on q and k (which tp must all-reduce the gradients of), and tied embeddings."""
+
+ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")
+"""The single-process reference: the same config, no strategy, the whole global batch of 8."""
+
+
+def qwen3(*overrides: str) -> tuple[str, ...]:
+    return (f"--model.init_args.config={json.dumps(QWEN3)}", *overrides)
+
+
+def mesh(shape: str, devices: int, batch_size: int, *extra: str) -> tuple[str, ...]:
+    return (
+        f"--trainer.strategy.mesh_shape={shape}",
+        f"--trainer.devices={devices}",
+        f"--data.init_args.batch_size={batch_size}",
+        *extra,
+    )
+
+
+PIPELINE = (
+    "--trainer.strategy=parallelkit.PipelineStrategy",
+    "--trainer.strategy.schedule=1f1b",
+    "--trainer.strategy.meta_init=true",
+)
+
+LAYOUTS = {
+    # [[2, 2]] with default sequence parallelism is the shared reference run (its checkpoint is resumed below).
+    "llama_tp2_loss_parallel": ((), mesh('[[1, 2], ["fsdp", "tp"]]', 2, 8, "--trainer.strategy.loss_parallel=true")),
+    "llama_1f1b_pp2": ((), (*PIPELINE, *mesh('[[2], ["pp"]]', 2, 8))),
+    "llama_3d_pp2_tp2": ((), (*PIPELINE, *mesh('[[2, 1, 2], ["pp", "fsdp", "tp"]]', 4, 8))),
+    "qwen3_tied_tp2": (qwen3(), mesh('[[1, 2], ["fsdp", "tp"]]', 2, 8)),
+    "qwen3_tied_2x2": (qwen3(), ()),
+    "qwen3_tied_fsdp4_checkpointing": (
+        qwen3(),
+        mesh('[[4, 1], ["fsdp", "tp"]]', 4, 2, "--trainer.strategy.activation_checkpointing=full"),
+    ),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_hf_model_matches_single_process_losses(tmp_path, corpus, reference, name):
+    model, layout = LAYOUTS[name]
+    expected = reference(LLAMA, *model, *ONE_PROCESS).losses()
+    assert_ok(fit(LLAMA, tmp_path, *common(corpus, tmp_path / "cache"), *model, *layout))
+    assert_same_losses(expected, step_losses(tmp_path))
+
+
+def test_hf_llama_on_2x2_with_sequence_parallelism_matches_single_process_losses(reference):
+    assert_same_losses(reference(LLAMA, *ONE_PROCESS).losses(), reference(LLAMA).losses())
+
+
+@pytest.mark.parametrize(
+    ("name", "layout"),
+    [
+        ("1f1b_pp2", (*PIPELINE, *mesh('[[2], ["pp"]]', 2, 8))),
+        ("one_process", mesh('[[1], ["fsdp"]]', 1, 8)),
+    ],
+)
+def test_hf_checkpoint_from_2x2_resumes_in_another_layout_with_the_same_next_losses(
+    tmp_path, corpus, reference, name, layout
+):
+    saved = reference(LLAMA)
+    stop = callback("models.StopAfter", step=12)  # steps 10 and 11; the LR schedule still plans for 20
+    resume = f"--ckpt_path={saved.checkpoint}"
+    assert_ok(fit(LLAMA, tmp_path, *common(corpus, tmp_path / "cache"), *layout, resume, stop))
+    resumed = step_losses(tmp_path)
+    assert sorted(resumed) == [10, 11]
+    assert_same_losses({s: saved.losses()[s] for s in resumed}, resumed)
+
+
+def test_tp_not_dividing_the_key_value_heads_is_refused_before_any_process_starts(tmp_path):
+    proc = fit(LLAMA, tmp_path, "--trainer.max_steps=1", *mesh('[[1, 4], ["fsdp", "tp"]]', 4, 8), timeout=120)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
+    assert "Initializing distributed" not in output  # refused in the launching process: no rank was started
+    error = proc.stderr.rstrip().splitlines()[-1]
+    assert "HFCausalLM (llama) has 2 key/value heads (num_key_value_heads), which tp=4 does not divide" in error
+    assert 'Fix: a tp that divides 2 (1, 2), e.g. mesh_shape [[-1, 2], ["fsdp", "tp"]]' in error
+
+
+def build(config: dict, on_meta: bool = False) -> HFCausalLM:
+    if on_meta:
+        with meta_parameters():
+            return HFCausalLM(config)
+    return HFCausalLM(config)
+
+
+def test_meta_init_gives_the_eager_weights_and_keeps_tied_embeddings_tied():
+    torch.manual_seed(0)
+    eager = build(QWEN3)
+    meta = build(QWEN3, on_meta=True)
+    assert all(p.is_meta for p in meta.parameters())
+    torch.manual_seed(0)
+    materialize(meta, torch.device("cpu"), dict(meta.named_modules()))
+    for model in (eager, meta):
+        assert model.model.lm_head.weight is model.model.model.embed_tokens.weight
+    expected = eager.state_dict()
+    for key, value in meta.state_dict().items():
+        assert torch.equal(value, expected[key]), key
+    # Initialised by transformers' own _init_weights: normal(0, initializer_range) matrices, unit norms.
+    assert eager.model.model.layers[0].self_attn.q_norm.weight.eq(1).all()
+    assert abs(eager.model.model.layers[0].mlp.up_proj.weight.std().item() - 0.02) < 2e-3
+
+
+def test_plan_reads_the_models_own_tp_and_pipeline_plans():
+    contract = parallel_plan(build(QWEN3, on_meta=True))
+    layers = "model.model.layers.*"
+    assert contract.tp[f"{layers}.self_attn.q_proj"] == "colwise"
+    assert contract.tp[f"{layers}.self_attn.o_proj"] == "rowwise"
+    assert contract.tp[f"{layers}.self_attn.q_norm"] == "head_norm"  # HF: replicated_with_grad_allreduce
+    assert contract.tp[f"{layers}.input_layernorm"] == "sequence_parallel"  # added: the residual stream's norms
+    assert contract.tp["model.model.embed_tokens"] == "vocab_embedding"
+    assert contract.tp["model.lm_head"] == "vocab_head"
+    assert contract.tp_divisors == {
+        "attention heads (num_attention_heads)": 4,
+        "key/value heads (num_key_value_heads)": 2,
+    }
+    assert contract.fsdp_units == [layers]
+    assert contract.pipeline_layers == ["model.model.embed_tokens", layers, "model.model.norm", "model.lm_head"]
+
+
+def test_pipeline_refuses_tied_embeddings_and_unchecked_families_with_the_fix():
+    with pytest.raises(PlanError, match="tied weights cannot be split.*tie_word_embeddings: false"):
+        pipeline_layer_names(build(QWEN3, on_meta=True))
+    gemma = {**QWEN3, "model_type": "gemma3_text", "sliding_window": None}
+    with pytest.raises(PlanError, match="not 'gemma3_text'.*Fix: train it with fsdp_tp"):
+        pipeline_layer_names(build(gemma, on_meta=True))
+
+
+def test_an_hf_style_parallelkit_does_not_translate_is_refused_by_name_under_tp_only():
+    mixtral = {**QWEN3, "model_type": "mixtral", "tie_word_embeddings": False, "num_local_experts": 2}
+    model = build(mixtral, on_meta=True)
+    contract = parallel_plan(model)  # fsdp alone needs no tp plan: the model still trains without a tp axis
+    assert contract.fsdp_units == ["model.model.layers.*"]
+    with pytest.raises(PlanError, match=r"the style 'packed_colwise', which parallelkit does not translate; it trans"):
+        tensor_parallel_plan(model, 2, contract=contract)
+
+
+def test_plan_fits_a_llama_3_8b_config_on_8_devices_and_counts_its_parameters(tmp_path):
+    config = REPO / "configs" / "hf_llama3_8b.yaml"
+    proc = parallelkit(
+        "plan", "--config", str(config), "--devices-per-node", "8", "--device-memory", "80GB", "--json", cwd=tmp_path
+    )
+    assert_ok(proc)
+    report = json.loads(proc.stdout)
+    assert report["recommended"]["fits"] and report["recommended"]["peak"] <= 80e9
+    with torch.device("meta"):
+        model = HFCausalLM(**yaml.safe_load(config.read_text())["model"]["init_args"])
+    prof = profile(model, seq_len=8)
+    assert prof.params == model.model.num_parameters() == 8_030_261_248
+    _, best, _ = plan(model, Workload(seq_len=8192, micro_batch=1, compute_bytes=2), Hardware(1, 8, 80e9))
+    assert best is not None and best.mesh == report["recommended"]["mesh"]
