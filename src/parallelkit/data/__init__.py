@@ -3,5 +3,6 @@
 from parallelkit.data.sampler import GlobalBatchSampler
 from parallelkit.data.synthetic import SyntheticDataModule
 from parallelkit.data.text import TextDataModule
+from parallelkit.data.tokenized import TokenizedDataModule
 
-__all__ = ["GlobalBatchSampler", "SyntheticDataModule", "TextDataModule"]
+__all__ = ["GlobalBatchSampler", "SyntheticDataModule", "TextDataModule", "TokenizedDataModule"]

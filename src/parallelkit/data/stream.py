@@ -36,16 +36,17 @@ class TokenWindows(Dataset):
         return window[:-1], window[1:]
 
     def __getstate__(self) -> dict[str, Any]:
-        # Pickling an np.memmap copies the whole array into each spawned DataLoader worker; reopen it instead.
+        # Pickling an np.memmap copies the whole array into each spawned DataLoader worker; reopen it instead,
+        # with its dtype (bytes are uint8, token ids uint16 or uint32).
         state = dict(self.__dict__)
         if isinstance(self.tokens, np.memmap):
-            state["tokens"] = (self.tokens.filename, self.tokens.offset, len(self.tokens))
+            state["tokens"] = (self.tokens.filename, self.tokens.offset, len(self.tokens), self.tokens.dtype.str)
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         if isinstance(state["tokens"], tuple):
-            filename, offset, length = state["tokens"]
-            state["tokens"] = np.memmap(filename, dtype=np.uint8, mode="r", offset=offset, shape=(length,))
+            filename, offset, length, dtype = state["tokens"]
+            state["tokens"] = np.memmap(filename, dtype=np.dtype(dtype), mode="r", offset=offset, shape=(length,))
         self.__dict__.update(state)
 
 
