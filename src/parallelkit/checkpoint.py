@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,8 @@ def publish(staging: Path, path: Path) -> None:
     remove(previous)
 
 
-def _metadata(ckpt_dir: Path) -> Any:
+def read_metadata(ckpt_dir: Path) -> Any:
+    """A sharded checkpoint's DCP metadata (every saved tensor's name, shape and dtype), or a CheckpointError."""
     from torch.distributed.checkpoint import FileSystemReader
 
     if not (ckpt_dir / ".metadata").is_file():
@@ -84,7 +86,7 @@ def check_readable(path: Path) -> None:
         )
     file = path
     if path.is_dir():
-        _metadata(path)
+        read_metadata(path)
         file = path / "meta.pt"  # Lightning's loop and callback state next to the shards
     try:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
@@ -116,7 +118,7 @@ def check_compatible(model: nn.Module, ckpt: Path, saved: Mapping[str, Any] | No
     checkpoint directory and its metadata is read.
     """
     if saved is None:
-        meta = _metadata(ckpt).state_dict_metadata.items()
+        meta = read_metadata(ckpt).state_dict_metadata.items()
         shapes = {k[len(MODEL_PREFIX) :]: getattr(v, "size", None) for k, v in meta if k.startswith(MODEL_PREFIX)}
     else:
         shapes = {k: getattr(v, "shape", None) for k, v in saved.items()}
@@ -140,11 +142,10 @@ def consolidate(ckpt_dir: str | Path, out: str | Path) -> Path:
     Runs in one process without a process group. The file is what `torch.load(out, weights_only=True)` reads
     and the unparallelised model's `load_state_dict` takes; it is written atomically.
     """
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     ckpt_dir, out = Path(ckpt_dir), Path(out)
-    saved = _metadata(ckpt_dir).state_dict_metadata
+    saved = read_metadata(ckpt_dir).state_dict_metadata
     state = {
         key: torch.empty(entry.size, dtype=entry.properties.dtype)
         for key, entry in saved.items()
@@ -152,9 +153,19 @@ def consolidate(ckpt_dir: str | Path, out: str | Path) -> Path:
     }
     if not state:
         raise CheckpointError(f"{ckpt_dir} holds no model tensors (no '{MODEL_PREFIX}*' keys).")
-    dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=True)
+    load_in_one_process(state, ckpt_dir)
     weights = {key[len(MODEL_PREFIX) :]: tensor for key, tensor in state.items()}
     staging = staging_path(out)
     torch.save(weights, staging)
     publish(staging, out)
     return out
+
+
+def load_in_one_process(state: dict[str, Any], ckpt_dir: str | Path) -> None:
+    """Fill `state` (DCP keys -> tensors of the saved shapes) from a sharded checkpoint, in this one process, with no
+    process group (DCP then warns that torch.distributed is disabled: that is the intent, so it is not shown)."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", module=r"torch\.distributed")
+        dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=True)

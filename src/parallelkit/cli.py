@@ -44,6 +44,7 @@ tools (no model, no training):
   parallelkit env [--mesh SHAPE --devices N]   versions, backends, devices, launcher env, a mesh's rank layout
   parallelkit plugins                          every discovered strategy and comm hook, and load errors
   parallelkit consolidate CKPT_DIR OUT.pt      a sharded checkpoint's weights as one plain state dict
+  parallelkit export-hf CKPT OUT_DIR           an HFCausalLM checkpoint as a Hugging Face model directory
   parallelkit plan --config RUN.yaml --nodes N --devices-per-node G --device-memory 80GB
                                                every valid mesh's memory and communication, and a recommendation
 """
@@ -285,16 +286,31 @@ def consolidate_command(argv: Sequence[str]) -> int:
     return 0
 
 
-def _bytes(text: str) -> float:
-    units = {"tb": 1e12, "gb": 1e9, "mb": 1e6, "tib": 2**40, "gib": 2**30, "mib": 2**20}
+def export_hf_command(argv: Sequence[str]) -> int:
+    """Write an HFCausalLM checkpoint as a Hugging Face model directory (config.json, safetensors, tokenizer)."""
+    from parallelkit.models.hf_io import export_hf
+
+    parser = argparse.ArgumentParser(prog="parallelkit export-hf", description=export_hf_command.__doc__)
+    parser.add_argument("checkpoint", help="a checkpoint of parallelkit.models.HFCausalLM (sharded directory or file)")
+    parser.add_argument("out", help="the directory to write; AutoModelForCausalLM.from_pretrained(OUT) loads it")
+    parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB (default)")
+    parser.add_argument("--tokenizer", help="copy tokenizer files from here (default: the pretrained directory)")
+    args = parser.parse_args(argv)
+    out = export_hf(args.checkpoint, args.out, _bytes(args.max_shard_size, "--max-shard-size"), args.tokenizer)
+    print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+def _bytes(text: str, flag: str = "--device-memory") -> float:
+    units = {"tb": 1e12, "gb": 1e9, "mb": 1e6, "kb": 1e3, "tib": 2**40, "gib": 2**30, "mib": 2**20, "kib": 2**10}
     lowered = text.strip().lower()
     unit = next((u for u in sorted(units, key=len, reverse=True) if lowered.endswith(u)), "")
     try:
         return float(lowered[: len(lowered) - len(unit)]) * units.get(unit, 1)
     except ValueError:
         raise ConfigError(
-            f"--device-memory {text!r} is not a size. Fix: a number of bytes or a number with a unit, e.g. 80GB or "
-            "24GiB (units: TB, GB, MB, TiB, GiB, MiB)."
+            f"{flag} {text!r} is not a size. Fix: a number of bytes or a number with a unit, e.g. 80GB or "
+            "24GiB (units: TB, GB, MB, KB, TiB, GiB, MiB, KiB)."
         ) from None
 
 
@@ -416,6 +432,7 @@ TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "env": env_command,
     "plugins": plugins_command,
     "consolidate": consolidate_command,
+    "export-hf": export_hf_command,
     "plan": plan_command,
 }
 

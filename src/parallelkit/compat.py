@@ -147,6 +147,18 @@ def flash_attention_on_cpu(q: Tensor, k: Tensor, v: Tensor, is_causal: bool, sca
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)[0]
 
 
+def local_box(tensor: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """This rank's part of `tensor` and where it starts in the whole: a DTensor's local shard and its global
+    offsets (DTensor's DCP protocol, `__create_chunk_list__`, which also places FSDP-over-TP strided shards), or a
+    plain tensor whole at offset 0."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return tensor, (0,) * tensor.ndim
+    (chunk,) = tensor.__create_chunk_list__()
+    return tensor.to_local(), tuple(chunk.offsets)
+
+
 # -- transformers ------------------------------------------------------------------------------------------------
 def hf_tp_plan(model: Module) -> dict[str, str]:
     """A Hugging Face model's whole tensor-parallel plan (module glob -> HF style name), its own entries (e.g.

@@ -80,8 +80,10 @@ def materialize(model: nn.Module, device: torch.device, modules: Mapping[str, nn
     tied = tied_parameters(model)
     apply_to_tensors(model, lambda t: torch.empty_like(t, device=device) if t.is_meta else t)
     retie(model, tied)  # a meta parameter is replaced by a new one per module that holds it
+    # A model whose init_weights() reads every parameter from a checkpoint needs no random draws to match.
+    replay = not getattr(model, "loads_every_parameter", False)
     with _restored(model, modules), torch.no_grad(), _WholeTensorInit():
-        for module in modules.values():
+        for module in modules.values() if replay else ():
             if _holds_tensors(module) and callable(getattr(module, "reset_parameters", None)):
                 module.reset_parameters()
         if callable(getattr(model, "init_weights", None)):

@@ -145,6 +145,11 @@ class GPT(CausalLM):
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
 
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model embeds: `0 .. vocab_size - 1`."""
+        return self.hparams.vocab_size
+
     @override
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.tok_emb(idx)

@@ -23,6 +23,7 @@ from parallelkit.compat import hf_initialize, hf_pp_plan, hf_tp_plan
 from parallelkit.contract import ParallelPlan
 from parallelkit.errors import ConfigError
 from parallelkit.init import building_on_meta, materialize, meta_parameters
+from parallelkit.models.hf_io import SafetensorsWeights, load_weights
 from parallelkit.models.lm import CausalLM
 
 HF_STYLES = {
@@ -100,7 +101,10 @@ class HFCausalLM(CausalLM):
     Args:
         config: The architecture: an inline mapping with `model_type` and the config's fields (e.g.
             `{model_type: llama, hidden_size: 64, num_attention_heads: 4, num_key_value_heads: 2, ...}`), or a local
-            directory holding `config.json`. Weights start from the seed (the model's own initialisation).
+            directory holding `config.json`. Default: `pretrained`'s config.json.
+        pretrained: A local directory as `save_pretrained` writes it (config.json and safetensors weights, sharded
+            or not). Its weights replace the random initialisation; under `meta_init` each process reads only the
+            parts of each tensor it holds. None: weights start from the seed (the model's own initialisation).
         attn_implementation: transformers' attention kernel ("sdpa", "eager", ...).
         lr: Peak AdamW learning rate, reached after the warmup.
         weight_decay: AdamW weight decay, applied to matrices and embeddings only (not norms).
@@ -111,7 +115,8 @@ class HFCausalLM(CausalLM):
 
     def __init__(
         self,
-        config: dict[str, Any] | str,
+        config: dict[str, Any] | str | None = None,
+        pretrained: str | None = None,
         attn_implementation: str = "sdpa",
         lr: float = 3e-3,
         weight_decay: float = 0.1,
@@ -122,7 +127,13 @@ class HFCausalLM(CausalLM):
         super().__init__()
         self.save_hyperparameters()
         transformers = _transformers()
-        hf_config = build_config(config)
+        if config is None and pretrained is None:
+            raise ConfigError(
+                "HFCausalLM needs model.init_args.config (a mapping with model_type, or a directory holding "
+                "config.json) or model.init_args.pretrained (a directory save_pretrained wrote)."
+            )
+        self.pretrained_weights = SafetensorsWeights(pretrained) if pretrained is not None else None
+        hf_config = build_config(config if config is not None else pretrained)
         eager = not building_on_meta()
         # Always built without storage, then (unless a strategy will) allocated and initialised exactly as
         # meta_init does after sharding: so the eager build and a meta_init run hold the same weights.
@@ -139,11 +150,26 @@ class HFCausalLM(CausalLM):
         """The transformers config."""
         return self.model.config
 
+    @property
+    def loads_every_parameter(self) -> bool:
+        """Whether `init_weights()` reads every parameter from pretrained weights (it refuses to leave one out):
+        `parallelkit.init.materialize` then skips the random draws it would replay for an eager build's weights."""
+        return self.pretrained_weights is not None
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model embeds: `0 .. vocab_size - 1`."""
+        return self.config.vocab_size
+
     @torch.no_grad()
     def init_weights(self) -> None:
-        """The model's own initialisation (transformers' `_init_weights` for every module); strategies call it after
-        materialising a meta-device model, `parallelkit.init` making it layout-independent."""
-        hf_initialize(self.model)
+        """The pretrained weights this process holds, or else the model's own initialisation (transformers'
+        `_init_weights` for every module). Strategies call it after materialising a meta-device model;
+        `parallelkit.init` makes a random initialisation layout-independent."""
+        if self.pretrained_weights is not None:
+            load_weights(self.model, self.pretrained_weights)
+        else:
+            hf_initialize(self.model)
 
     @override
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

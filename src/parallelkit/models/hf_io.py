@@ -1,0 +1,241 @@
+"""Hugging Face checkpoints in and out.
+
+In: a directory as `save_pretrained` writes it (`config.json` and `model.safetensors`, or shards listed by
+`model.safetensors.index.json`). Each rank reads, tensor by tensor, only the box of each tensor it holds (safetensors
+slice reads from a memory map), so under `meta_init` no rank ever holds the whole model, whatever the layout.
+
+Out: a parallelkit checkpoint (sharded DCP directory or single file) of an `HFCausalLM` written back as such a
+directory, one safetensors shard at a time (peak memory about one shard, no process group, no GPU), with
+`config.json` and the tokenizer files of the directory the model came from.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from parallelkit.checkpoint import (
+    MODEL_PREFIX,
+    CheckpointError,
+    load_in_one_process,
+    publish,
+    read_metadata,
+    staging_path,
+)
+from parallelkit.compat import local_box
+from parallelkit.errors import ConfigError
+from parallelkit.init import tied_parameters
+
+WEIGHTS = "model.safetensors"
+INDEX = "model.safetensors.index.json"
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "tokenizer.model",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "generation_config.json",
+)
+"""Files besides the weights that travel with a model directory (tokenizer, generation defaults)."""
+
+HF_MODULE = "model."
+"""Where `HFCausalLM` holds the transformers model: its state-dict keys are the checkpoint's, prefixed."""
+
+
+class SafetensorsWeights:
+    """The tensors of a `save_pretrained` directory, by name: their shapes, and slices read on demand."""
+
+    def __init__(self, directory: str | Path) -> None:
+        self.directory = Path(directory)
+        if not (self.directory / "config.json").is_file():
+            raise ConfigError(
+                f"pretrained={str(directory)!r} is not a Hugging Face model directory: it has no config.json. "
+                f"Fix: the directory save_pretrained wrote (config.json + model.safetensors or its shards); "
+                "nothing is downloaded, hub names are not accepted."
+            )
+        from safetensors import safe_open
+
+        if (self.directory / INDEX).is_file():
+            weight_map = json.loads((self.directory / INDEX).read_text())["weight_map"]
+        elif (self.directory / WEIGHTS).is_file():
+            with safe_open(self.directory / WEIGHTS, framework="pt") as f:
+                weight_map = dict.fromkeys(f.keys(), WEIGHTS)
+        else:
+            found = ", ".join(sorted(p.name for p in self.directory.iterdir())[:10])
+            raise ConfigError(
+                f"pretrained={str(directory)!r} holds no safetensors weights ({WEIGHTS} or {INDEX}); it has: {found}. "
+                "Fix: save the model with save_pretrained(..., safe_serialization=True) (PyTorch .bin weights are "
+                "not read)."
+            )
+        for name, file in weight_map.items():
+            if not (self.directory / file).is_file():
+                raise ConfigError(
+                    f"{self.directory / INDEX} lists {file} (holding {name}, among others), which is missing. Fix: "
+                    "copy every shard the index names into the directory."
+                )
+        self.files = {name: self.directory / file for name, file in weight_map.items()}
+        self._open: dict[Path, Any] = {}
+
+    def _file(self, name: str) -> Any:
+        from safetensors import safe_open
+
+        path = self.files[name]
+        if path not in self._open:
+            self._open[path] = safe_open(path, framework="pt")
+        return self._open[path]
+
+    def close(self) -> None:
+        """Unmap the files (their pages read so far count in the process's resident memory while mapped)."""
+        self._open.clear()
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._file(name).get_slice(name).get_shape())
+
+    def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
+        """The part `box` of tensor `name`, read from the file's memory map (only those bytes are touched)."""
+        return self._file(name).get_slice(name)[box]
+
+
+def load_weights(module: nn.Module, weights: SafetensorsWeights) -> None:
+    """Fill what this rank holds of `module`'s parameters and persistent buffers (a transformers model; the
+    checkpoint's names are its state-dict keys) from `weights`: each sharded tensor's local box, each whole one
+    whole. Layers another pipeline rank holds (still on the meta device) are skipped. Tied parameters are read once,
+    under whichever of their names the checkpoint holds (transformers saves one)."""
+    tied = {name: group for group in tied_parameters(module) for name in group}
+    done: set[int] = set()
+    missing = []
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if id(tensor) in done or tensor.is_meta:
+            continue
+        key = next((n for n in tied.get(name, [name]) if n in weights.files), None)
+        if key is None:
+            if isinstance(tensor, nn.Parameter):
+                missing.append(name)
+            continue  # a buffer the model computes (e.g. rotary tables)
+        expected = tuple(tensor.shape)
+        if weights.shape(key) != expected:
+            raise ConfigError(
+                f"{weights.files[key]} holds {key} of shape {list(weights.shape(key))}, but the model built from "
+                f"{weights.directory / 'config.json'} expects {list(expected)}: the config does not match the "
+                "weights. Fix: load the weights with the config.json saved beside them (model.init_args.config: "
+                "null)."
+            )
+        local, offsets = local_box(tensor)
+        if local.numel():
+            box = tuple(slice(start, start + size) for start, size in zip(offsets, local.shape))
+            with torch.no_grad():
+                local.copy_(weights.read(key, box))
+        done.add(id(tensor))
+    weights.close()
+    if missing:
+        raise ConfigError(
+            f"{weights.directory} lacks {len(missing)} of the model's parameters ({', '.join(missing[:5])}"
+            f"{', ...' if len(missing) > 5 else ''}): the config does not match the weights. Fix: load the weights "
+            "with the config.json saved beside them."
+        )
+
+
+# -- out ---------------------------------------------------------------------------------------------------------
+def _saved_tensors(ckpt: Path) -> tuple[dict[str, Any], dict[str, tuple[tuple[int, ...], torch.dtype]], Any]:
+    """(the checkpoint's non-tensor contents, {model key: (shape, dtype)}, a loader of {model key: tensor})."""
+    if ckpt.is_dir():
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        entries = {
+            key[len(MODEL_PREFIX) :]: (tuple(entry.size), entry.properties.dtype)
+            for key, entry in read_metadata(ckpt).state_dict_metadata.items()
+            if key.startswith(MODEL_PREFIX) and isinstance(entry, TensorStorageMetadata)
+        }
+
+        def load(keys: Iterable[str]) -> dict[str, torch.Tensor]:
+            state = {MODEL_PREFIX + k: torch.empty(entries[k][0], dtype=entries[k][1]) for k in keys}
+            load_in_one_process(state, ckpt)
+            return {k[len(MODEL_PREFIX) :]: v for k, v in state.items()}
+
+        return torch.load(ckpt / "meta.pt", weights_only=True), entries, load
+    checkpoint = torch.load(ckpt, mmap=True, map_location="cpu", weights_only=True)
+    weights = checkpoint.pop("state_dict")
+    entries = {k: (tuple(v.shape), v.dtype) for k, v in weights.items()}
+    return checkpoint, entries, lambda keys: {k: weights[k].contiguous() for k in keys}
+
+
+def export_hf(
+    ckpt: str | Path, out: str | Path, max_shard_size: float = 5e9, tokenizer: str | Path | None = None
+) -> Path:
+    """Write the `HFCausalLM` weights of a parallelkit checkpoint as a directory `from_pretrained` loads.
+
+    Safetensors shards of at most `max_shard_size` bytes (one tensor larger than that gets a shard of its own),
+    with an index when there are several, as transformers writes them; `config.json` from the model's config;
+    tokenizer files from `tokenizer`, else from the directory the model was loaded from. Tied weights are written
+    once, under the first name, as transformers does. Written to `<out>.partial` and renamed when complete.
+    """
+    from safetensors.torch import save_file
+
+    from parallelkit.models.hf import build_config
+
+    ckpt, out = Path(ckpt), Path(out)
+    if not ckpt.exists():
+        raise CheckpointError(f"{ckpt} does not exist. Fix: the path of a checkpoint a parallelkit run wrote.")
+    rest, entries, load = _saved_tensors(ckpt)
+    hparams = rest.get("hyper_parameters") or {}
+    source = hparams.get("config") or hparams.get("pretrained")
+    if source is None or not any(k.startswith(HF_MODULE) for k in entries):
+        raise CheckpointError(
+            f"{ckpt} is not a checkpoint of parallelkit.models.HFCausalLM (its hyper_parameters name no config and "
+            "its weights no 'model.*' tensors). Fix: export-hf takes HFCausalLM checkpoints; for any other model use "
+            "parallelkit consolidate."
+        )
+    config = build_config(source)
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        skeleton = AutoModelForCausalLM.from_config(config)
+    duplicates = {name for group in tied_parameters(skeleton) for name in group[1:]}
+    names = [k for k in entries if k.startswith(HF_MODULE) and k[len(HF_MODULE) :] not in duplicates]
+    shards = _plan_shards(names, entries, max_shard_size)
+    staging = staging_path(out)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    weight_map, total = {}, 0
+    for index, keys in enumerate(shards):
+        file = WEIGHTS if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {k[len(HF_MODULE) :]: v for k, v in load(keys).items()}
+        save_file(tensors, staging / file, metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in tensors.values())
+        weight_map.update(dict.fromkeys(tensors, file))
+        del tensors
+    if len(shards) > 1:
+        index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (staging / INDEX).write_text(json.dumps(index_file, indent=2, sort_keys=True) + "\n")
+    config.save_pretrained(staging)
+    origin = Path(tokenizer) if tokenizer else Path(hparams["pretrained"]) if hparams.get("pretrained") else None
+    for name in TOKENIZER_FILES if origin is not None else ():
+        if (origin / name).is_file() and not (staging / name).exists():
+            shutil.copy2(origin / name, staging / name)
+    publish(staging, out)
+    return out
+
+
+def _plan_shards(
+    names: list[str], entries: dict[str, tuple[tuple[int, ...], torch.dtype]], limit: float
+) -> list[list[str]]:
+    """Consecutive tensors grouped into shards of at most `limit` bytes each."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        shape, dtype = entries[name]
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
