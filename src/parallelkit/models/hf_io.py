@@ -50,8 +50,28 @@ HF_MODULE = "model."
 """Where `HFCausalLM` holds the transformers model: its state-dict keys are the checkpoint's, prefixed."""
 
 
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
 class SafetensorsWeights:
-    """The tensors of a `save_pretrained` directory, by name: their shapes, and slices read on demand."""
+    """The tensors of a `save_pretrained` directory, by name: their shapes, and boxes of them read on demand.
+
+    Read with plain file reads at the offsets the safetensors headers give (the format is a JSON header, then
+    each tensor's bytes, row-major), not through a memory map: mapped pages a process has read count in its
+    resident memory until unmapped, file reads leave them to the page cache. A box whole in every dim but the first
+    is one contiguous read; another box reads its rows whole, then keeps its columns (one tensor at a time).
+    """
 
     def __init__(self, directory: str | Path) -> None:
         self.directory = Path(directory)
@@ -61,13 +81,20 @@ class SafetensorsWeights:
                 f"Fix: the directory save_pretrained wrote (config.json + model.safetensors or its shards); "
                 "nothing is downloaded, hub names are not accepted."
             )
-        from safetensors import safe_open
-
         if (self.directory / INDEX).is_file():
-            weight_map = json.loads((self.directory / INDEX).read_text())["weight_map"]
+            files = sorted(set(json.loads((self.directory / INDEX).read_text())["weight_map"].items()))
+            listed = {}
+            for name, file in files:
+                listed.setdefault(file, name)
+            for file, name in listed.items():
+                if not (self.directory / file).is_file():
+                    raise ConfigError(
+                        f"{self.directory / INDEX} lists {file} (holding {name}, among others), which is missing. "
+                        "Fix: copy every shard the index names into the directory."
+                    )
+            paths = [self.directory / file for file in listed]
         elif (self.directory / WEIGHTS).is_file():
-            with safe_open(self.directory / WEIGHTS, framework="pt") as f:
-                weight_map = dict.fromkeys(f.keys(), WEIGHTS)
+            paths = [self.directory / WEIGHTS]
         else:
             found = ", ".join(sorted(p.name for p in self.directory.iterdir())[:10])
             raise ConfigError(
@@ -75,33 +102,36 @@ class SafetensorsWeights:
                 "Fix: save the model with save_pretrained(..., safe_serialization=True) (PyTorch .bin weights are "
                 "not read)."
             )
-        for name, file in weight_map.items():
-            if not (self.directory / file).is_file():
-                raise ConfigError(
-                    f"{self.directory / INDEX} lists {file} (holding {name}, among others), which is missing. Fix: "
-                    "copy every shard the index names into the directory."
-                )
-        self.files = {name: self.directory / file for name, file in weight_map.items()}
-        self._open: dict[Path, Any] = {}
-
-    def _file(self, name: str) -> Any:
-        from safetensors import safe_open
-
-        path = self.files[name]
-        if path not in self._open:
-            self._open[path] = safe_open(path, framework="pt")
-        return self._open[path]
-
-    def close(self) -> None:
-        """Unmap the files (their pages read so far count in the process's resident memory while mapped)."""
-        self._open.clear()
+        self.entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int]] = {}
+        for path in paths:
+            with open(path, "rb") as f:
+                length = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(length))
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+                    self.entries[name] = (path, dtype, tuple(entry["shape"]), 8 + length + entry["data_offsets"][0])
+        self.files = {name: entry[0] for name, entry in self.entries.items()}
 
     def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._file(name).get_slice(name).get_shape())
+        return self.entries[name][2]
 
     def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
-        """The part `box` of tensor `name`, read from the file's memory map (only those bytes are touched)."""
-        return self._file(name).get_slice(name)[box]
+        """The part `box` of tensor `name` (one slice per dim)."""
+        path, dtype, shape, offset = self.entries[name]
+        if not shape:
+            rows, rest = slice(0, 1), ()
+            shape = (1,)
+        else:
+            rows, rest = box[0], box[1:]
+        out = torch.empty((rows.stop - rows.start, *shape[1:]), dtype=dtype)
+        row_bytes = out[0].numel() * out.element_size() if len(out) else 0
+        with open(path, "rb", buffering=0) as f:
+            f.seek(offset + rows.start * row_bytes)
+            buffer, done = memoryview(out.view(torch.uint8).numpy()).cast("B"), 0
+            while done < len(buffer):
+                done += f.readinto(buffer[done:])
+        return out[(slice(None), *rest)] if box else out.reshape(())
 
 
 def load_weights(module: nn.Module, weights: SafetensorsWeights) -> None:
@@ -134,7 +164,6 @@ def load_weights(module: nn.Module, weights: SafetensorsWeights) -> None:
             with torch.no_grad():
                 local.copy_(weights.read(key, box))
         done.add(id(tensor))
-    weights.close()
     if missing:
         raise ConfigError(
             f"{weights.directory} lacks {len(missing)} of the model's parameters ({', '.join(missing[:5])}"
