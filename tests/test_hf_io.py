@@ -170,3 +170,49 @@ def test_plan_recommends_a_fitting_layout_for_the_llama_70b_preset_with_its_publ
     with torch.device("meta"):
         model = HFCausalLM(**yaml.safe_load(config.read_text())["model"]["init_args"])
     assert model.model.num_parameters() == 70_553_706_496
+
+
+def tokenizer_and_model(directory: Path, corpus: Path) -> None:
+    """A byte-level BPE tokenizer trained here on local text, and a small Llama of its vocabulary, saved together as
+    a Hugging Face model directory is."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer, bpe.decoder = pre_tokenizers.ByteLevel(add_prefix_space=False), decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<eos>"], show_progress=False)
+    bpe.train_from_iterator([corpus.read_text()[:200_000]], trainer=trainer)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<eos>")
+    tokenizer.save_pretrained(directory)
+    config = AutoConfig.for_model("llama", **{**LLAMA, "vocab_size": len(tokenizer)})
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+
+
+def test_the_readme_fine_tune_runs_end_to_end_and_transformers_loads_the_result(tmp_path, corpus):
+    """configs/finetune.yaml with only the pretrained directory and the text given: the model's own tokenizer
+    tokenizes the text, the weights load sharded, and export-hf hands back a directory transformers loads whole,
+    tokenizer included."""
+    base = tmp_path / "base"
+    tokenizer_and_model(base, corpus)
+    run = tmp_path / "run"
+    overrides = [
+        f"--model.init_args.pretrained={base}",
+        f"--data.init_args.paths={corpus}",
+        f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+        "--data.init_args.seq_len=64",
+        "--trainer.devices=2",
+        "--trainer.max_steps=4",
+        "--trainer.limit_val_batches=0",
+        "--trainer.callbacks.init_args.every_n_train_steps=2",
+    ]
+    assert_ok(fit("finetune.yaml", run, *overrides))
+    losses = step_losses(run)
+    assert sorted(losses) == [0, 1, 2, 3] and losses[3] < losses[0]
+    out = tmp_path / "tuned"
+    assert_ok(parallelkit("export-hf", str(run / "runs/finetune/checkpoints/last.ckpt"), str(out), cwd=tmp_path))
+    from transformers import AutoTokenizer
+
+    tokenizer, original = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(base)
+    assert tokenizer("def main():")["input_ids"] == original("def main():")["input_ids"]
+    tuned, before = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(base)
+    assert not torch.equal(tuned.model.layers[0].mlp.up_proj.weight, before.model.layers[0].mlp.up_proj.weight)

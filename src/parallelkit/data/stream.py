@@ -3,7 +3,9 @@ sampler per split, and the resume position."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import glob
+from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import lightning as L
@@ -14,6 +16,27 @@ from typing_extensions import override
 
 from parallelkit.data.sampler import GlobalBatchSampler
 from parallelkit.errors import DataError
+
+
+def find_files(paths: Sequence[str], pattern: str) -> list[Path]:
+    """`paths` (files, directories searched recursively for `pattern`, glob patterns) as files, resolved,
+    deduplicated and sorted: the order of a datamodule's stream. An entry matching nothing is a DataError."""
+    found: list[Path] = []
+    for entry in paths:
+        path = Path(entry).expanduser()
+        if path.is_dir():
+            matches = [p for p in path.rglob(pattern) if p.is_file()]
+        elif path.is_file():
+            matches = [path]
+        else:
+            matches = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
+        if not matches:
+            raise DataError(
+                f"data.paths entry {entry!r} matches no file (directories are searched for {pattern!r}). Fix: point "
+                "data.paths at existing files, a directory or a glob, or change data.pattern."
+            )
+        found.extend(matches)
+    return sorted({p.resolve() for p in found})
 
 
 class TokenWindows(Dataset):

@@ -3,7 +3,6 @@ source, present on every machine). The shared windowing, sampling and resume log
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import os
 import sysconfig
@@ -13,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from typing_extensions import override
 
-from parallelkit.data.stream import TokenStreamDataModule, TokenWindows
+from parallelkit.data.stream import TokenStreamDataModule, TokenWindows, find_files
 from parallelkit.errors import DataError
 
 
@@ -67,25 +66,7 @@ class TextDataModule(TokenStreamDataModule):
 
     def files(self) -> list[Path]:
         """The corpus files, resolved, deduplicated and sorted (the order of the byte stream)."""
-        if self.paths is None:
-            return default_corpus_files()
-        found: list[Path] = []
-        for entry in self.paths:
-            path = Path(entry).expanduser()
-            if path.is_dir():
-                matches = [p for p in path.rglob(self.pattern) if p.is_file()]
-            elif path.is_file():
-                matches = [path]
-            else:
-                matches = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
-            if not matches:
-                raise DataError(
-                    f"data.paths entry {entry!r} matches no file (directories are searched for "
-                    f"{self.pattern!r}). Fix: point data.paths at existing files, a directory or a glob, or "
-                    f"change data.pattern."
-                )
-            found.extend(matches)
-        return sorted({p.resolve() for p in found})
+        return default_corpus_files() if self.paths is None else find_files(self.paths, self.pattern)
 
     def corpus_path(self) -> Path:
         """The cache file for the current corpus, named by a hash of its files' paths, sizes and mtimes."""

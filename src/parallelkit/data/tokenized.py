@@ -9,7 +9,6 @@ part of the optional extra ``[hf]``, imported only when a tokenizer is used; not
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
@@ -22,7 +21,8 @@ from typing import Any
 import numpy as np
 from typing_extensions import override
 
-from parallelkit.data.stream import TokenStreamDataModule, TokenWindows
+from parallelkit.data.stream import TokenStreamDataModule, TokenWindows, find_files
+from parallelkit.data.text import default_corpus_files
 from parallelkit.errors import DataError
 
 CACHE_FORMAT = 1
@@ -164,8 +164,10 @@ class TokenizedDataModule(TokenStreamDataModule):
 
     Args:
         paths: files, directories (searched recursively for ``pattern``) or glob patterns; a string or a list.
+            ``None`` uses the Python standard library's top-level ``*.py`` sources (text on every machine).
         tokenizer: a local directory holding a Hugging Face ``tokenizer.json`` (and, optionally,
             ``tokenizer_config.json`` naming ``eos_token``); needed for text and JSONL, not for token arrays.
+            Default: the model's own, when it came from a directory that holds one (``HFCausalLM(pretrained=)``).
         seq_len: tokens per sample (the model's context length).
         batch_size: samples per process per step (the micro-batch); the global batch is
             ``batch_size x data-parallel size x accumulate_grad_batches``.
@@ -181,7 +183,7 @@ class TokenizedDataModule(TokenStreamDataModule):
 
     def __init__(
         self,
-        paths: str | list[str],
+        paths: str | list[str] | None = None,
         tokenizer: str | None = None,
         seq_len: int = 128,
         batch_size: int = 8,
@@ -201,7 +203,7 @@ class TokenizedDataModule(TokenStreamDataModule):
             raise DataError(
                 f"eos_id is {eos_id}; token ids are never negative. Fix: set data.eos_id >= 0, or unset it."
             )
-        self.paths = [paths] if isinstance(paths, str) else list(paths)
+        self.paths = [paths] if isinstance(paths, str) else None if paths is None else list(paths)
         self.tokenizer = tokenizer
         self.val_fraction = val_fraction
         self.cache_dir = cache_dir
@@ -216,32 +218,26 @@ class TokenizedDataModule(TokenStreamDataModule):
 
     def files(self) -> list[Path]:
         """The source files, resolved, deduplicated and sorted (the order of the token stream)."""
-        found: list[Path] = []
-        for entry in self.paths:
-            path = Path(entry).expanduser()
-            if path.is_dir():
-                matches = [p for p in path.rglob(self.pattern) if p.is_file()]
-            elif path.is_file():
-                matches = [path]
-            else:
-                matches = [Path(p) for p in glob.glob(str(path), recursive=True) if Path(p).is_file()]
-            if not matches:
-                raise DataError(
-                    f"data.paths entry {entry!r} matches no file (directories are searched for "
-                    f"{self.pattern!r}). Fix: point data.paths at existing files, a directory or a glob, or "
-                    f"change data.pattern."
-                )
-            found.extend(matches)
-        return sorted({p.resolve() for p in found})
+        return default_corpus_files() if self.paths is None else find_files(self.paths, self.pattern)
+
+    def tokenizer_directory(self) -> Path | None:
+        """`tokenizer`, else the model's own (`tokenizer_directory` of the trainer's model: an `HFCausalLM` loaded
+        from a directory that holds one), else None."""
+        if self.tokenizer is not None:
+            return Path(self.tokenizer).expanduser()
+        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        directory = getattr(model, "tokenizer_directory", None)
+        return Path(directory) if directory is not None else None
 
     def tokenizer_file(self) -> Path | None:
         """The ``tokenizer.json`` of ``tokenizer`` (None without a tokenizer)."""
-        if self.tokenizer is None:
+        directory = self.tokenizer_directory()
+        if directory is None:
             return None
-        path = Path(self.tokenizer).expanduser() / "tokenizer.json"
+        path = directory / "tokenizer.json"
         if not path.is_file():
             raise DataError(
-                f"data.tokenizer {self.tokenizer!r} is not a directory holding tokenizer.json (looked for {path}). "
+                f"data.tokenizer {str(directory)!r} is not a directory holding tokenizer.json (looked for {path}). "
                 f"Fix: point data.tokenizer at the directory a Hugging Face tokenizer was saved to "
                 f"(tokenizer.save_pretrained(DIR), or Tokenizer.save('DIR/tokenizer.json'))."
             )
@@ -311,9 +307,10 @@ class TokenizedDataModule(TokenStreamDataModule):
 
     def _configured_eos_token(self) -> str | None:
         # tokenizer_config.json writes it as a string, or (older transformers) as a serialised AddedToken.
-        if self.tokenizer is None:
+        directory = self.tokenizer_directory()
+        if directory is None:
             return None
-        config = Path(self.tokenizer).expanduser() / "tokenizer_config.json"
+        config = directory / "tokenizer_config.json"
         if not config.is_file():
             return None
         try:

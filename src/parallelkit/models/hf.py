@@ -157,6 +157,12 @@ class HFCausalLM(CausalLM):
         return self.pretrained_weights is not None
 
     @property
+    def tokenizer_directory(self) -> str | None:
+        """The pretrained directory when it holds a tokenizer (`tokenizer.json`): `TokenizedDataModule`'s default."""
+        pretrained = self.hparams.get("pretrained")
+        return pretrained if pretrained and (Path(pretrained) / "tokenizer.json").is_file() else None
+
+    @property
     def vocab_size(self) -> int:
         """Token ids the model embeds: `0 .. vocab_size - 1`."""
         return self.config.vocab_size
