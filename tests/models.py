@@ -16,6 +16,17 @@ from parallelkit.callbacks.monitors import training_state_bytes
 from parallelkit.mesh import data_parallel_group
 from parallelkit.models.gpt import GPT, MLP, Attention, Block
 
+TINY_LLAMA = {
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "tie_word_embeddings": False,
+}
+"""A Hugging Face Llama config's sizes (4 heads, 2 key/value heads, untied), as configs/hf_llama.yaml's model."""
+
 
 class ResidualMLP(nn.Module):
     def __init__(self, width: int) -> None:

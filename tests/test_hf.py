@@ -8,6 +8,7 @@ import torch
 import transformers  # noqa: F401  the [hf] extra, which .ci/run installs: missing, these tests fail (never skip)
 import yaml
 from conftest import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses
+from models import TINY_LLAMA
 
 from parallelkit.contract import parallel_plan
 from parallelkit.errors import PlanError
@@ -19,17 +20,7 @@ from parallelkit.planner import Hardware, Workload, plan, profile
 LLAMA = "hf_llama.yaml"
 """A Llama with grouped-query attention (4 heads, 2 key/value heads), untied, on FSDP2 x tp [[2, 2]], meta_init."""
 
-QWEN3 = {
-    "model_type": "qwen3",
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 16,
-    "tie_word_embeddings": True,
-}
+QWEN3 = {"model_type": "qwen3", **TINY_LLAMA, "head_dim": 16, "tie_word_embeddings": True}
 """Qwen3: per-head norms on q and k (which tp must all-reduce the gradients of), and tied embeddings."""
 
 ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")

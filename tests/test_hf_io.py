@@ -8,6 +8,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, assert_ok, assert_same_losses, common, fit, parallelkit, step_losses
+from models import TINY_LLAMA
 from safetensors import safe_open
 from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -17,15 +18,7 @@ from parallelkit.errors import ConfigError
 from parallelkit.models import HFCausalLM
 from parallelkit.models.hf_io import INDEX, export_hf
 
-LLAMA = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "tie_word_embeddings": False,
-}
+LLAMA = TINY_LLAMA
 STEPS = 10
 
 

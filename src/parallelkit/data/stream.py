@@ -4,6 +4,7 @@ sampler per split, and the resume position."""
 from __future__ import annotations
 
 import glob
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -16,6 +17,11 @@ from typing_extensions import override
 
 from parallelkit.data.sampler import GlobalBatchSampler
 from parallelkit.errors import DataError
+
+
+def cache_root(cache_dir: str | None) -> Path:
+    """Where datamodules cache token streams: `cache_dir`, else `$PARALLELKIT_CACHE`, else ~/.cache/parallelkit."""
+    return Path(cache_dir or os.environ.get("PARALLELKIT_CACHE") or "~/.cache/parallelkit").expanduser()
 
 
 def find_files(paths: Sequence[str], pattern: str) -> list[Path]:

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 from typing_extensions import override
 
-from parallelkit.data.stream import TokenStreamDataModule, TokenWindows, find_files
+from parallelkit.data.stream import TokenStreamDataModule, TokenWindows, cache_root, find_files
 from parallelkit.errors import DataError
 
 
@@ -74,8 +74,7 @@ class TextDataModule(TokenStreamDataModule):
         for path in self.files():
             stat = path.stat()
             digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
-        cache_dir = self.cache_dir or os.environ.get("PARALLELKIT_CACHE") or "~/.cache/parallelkit"
-        return Path(cache_dir).expanduser() / f"bytes-{digest.hexdigest()[:16]}.bin"
+        return cache_root(self.cache_dir) / f"bytes-{digest.hexdigest()[:16]}.bin"
 
     def describe(self, split: str) -> str:
         source = "the standard library's *.py files" if self.paths is None else f"{self.paths}"

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 from typing_extensions import override
 
-from parallelkit.data.stream import TokenStreamDataModule, TokenWindows, find_files
+from parallelkit.data.stream import TokenStreamDataModule, TokenWindows, cache_root, find_files
 from parallelkit.data.text import default_corpus_files
 from parallelkit.errors import DataError
 
@@ -254,8 +254,7 @@ class TokenizedDataModule(TokenStreamDataModule):
         if tokenizer_file is not None:
             digest.update(hashlib.sha256(tokenizer_file.read_bytes()).digest())
         digest.update(f"{self._requested_eos_id}\0{self.eos_token}\0{self._configured_eos_token()}".encode())
-        cache_dir = self.cache_dir or os.environ.get("PARALLELKIT_CACHE") or "~/.cache/parallelkit"
-        return Path(cache_dir).expanduser() / f"tokens-{digest.hexdigest()[:16]}.json"
+        return cache_root(self.cache_dir) / f"tokens-{digest.hexdigest()[:16]}.json"
 
     def describe(self, split: str) -> str:
         return f"The {split} split of {self.paths} ({self.num_tokens} tokens, val_fraction {self.val_fraction})"
