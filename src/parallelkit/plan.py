@@ -171,7 +171,6 @@ def tensor_parallel_plan(
             "globs to styles, e.g. {'blocks.*.attn.q': 'colwise', 'blocks.*.attn.proj': 'rowwise'}. "
             f"Styles: {', '.join(STYLES)}. Or use a mesh without a tp axis."
         )
-    _check_divisors(contract, tp)
     plan: dict[str, ParallelStyle] = {}
     for pattern, style in declared.items():
         for fqn, module in select(model, [pattern], "tp_plan"):
@@ -182,6 +181,7 @@ def tensor_parallel_plan(
             resolved = tp_style(style, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
             if resolved is not None:
                 plan[fqn] = resolved
+    _check_divisors(contract, tp)  # after the sizes of split weights, which name the module
     return plan
 
 
