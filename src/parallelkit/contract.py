@@ -23,9 +23,11 @@ HEAD_COUNT_ATTRS = ("n_head", "num_heads")
 
 
 def split_pair(batch: Any) -> tuple[Any, Any]:
-    """The default batch convention: `(inputs, target)`."""
-    inputs, target = batch
-    return inputs, target
+    """The default batch convention: `(inputs, target)`; a batch of inputs alone (a tensor, or a 1-tuple as a
+    `TensorDataset` of inputs gives) has no target, as in `predict`."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    return (batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 1 else batch), None
 
 
 @dataclass
@@ -42,7 +44,8 @@ class ParallelPlan:
             whole heads per rank. Sizes of split weights are checked from the modules themselves.
         loss: `loss(output, target)`: the mean loss of a batch from the model's output (the last pipeline stage
             calls it). Must be `F.cross_entropy` based for loss parallelism.
-        split_batch: A batch as `(inputs, target)`: inputs feed the first pipeline stage, target the loss.
+        split_batch: A batch as `(inputs, target)`: inputs feed the first pipeline stage, target the loss (None
+            for a batch of inputs alone, as `predict` gets).
         stage_forward: How a pipeline stage runs its layers: `stage_forward(layers, *args)`, with `layers` the
             stage's `(name, module)` in order and `args` what the previous stage returned (the first stage gets the
             inputs). May return a tuple: the next stage receives it as its arguments. None: each layer is called on

@@ -318,7 +318,7 @@ class PipelineStrategy(ParallelkitStrategy):
     @override
     def predict_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
         """The last stage's output for the batch's inputs (as the plan's `split_batch` finds them), on every rank."""
-        inputs = self._contract.split_batch(batch)[0] if isinstance(batch, (tuple, list, dict)) else batch
+        inputs = self._contract.split_batch(batch)[0]
         self._check_batch(inputs)
         args = (inputs,) if self._has_first else ()
         target = inputs.new_zeros(inputs.shape[0]) if self._has_last else None  # the schedule wants one
