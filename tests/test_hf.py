@@ -50,7 +50,6 @@ LAYOUTS = {
     # [[2, 2]] with default sequence parallelism is the shared reference run (its checkpoint is resumed below).
     "llama_tp2_loss_parallel": ((), mesh('[[1, 2], ["fsdp", "tp"]]', 2, 8, "--trainer.strategy.loss_parallel=true")),
     "llama_1f1b_pp2": ((), (*PIPELINE, *mesh('[[2], ["pp"]]', 2, 8))),
-    "llama_3d_pp2_tp2": ((), (*PIPELINE, *mesh('[[2, 1, 2], ["pp", "fsdp", "tp"]]', 4, 8))),
     "qwen3_tied_tp2": (qwen3(), mesh('[[1, 2], ["fsdp", "tp"]]', 2, 8)),
     "qwen3_tied_2x2": (qwen3(), ()),
     "qwen3_tied_fsdp4_checkpointing": (

@@ -46,16 +46,6 @@ LAYOUTS = {
     ),
     "hybrid_2x2": (),  # configs/hf_llama.yaml's own layout; it also checkpoints at the last step
     "fsdp_4x1": ('--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]', "--data.init_args.batch_size=2"),
-    "hsdp_2x2": (
-        '--trainer.strategy.mesh_shape=[[2, 2, 1], ["replicate", "fsdp", "tp"]]',
-        "--data.init_args.batch_size=2",
-    ),
-    "3d_pp2_tp2": (
-        "--trainer.strategy=parallelkit.PipelineStrategy",
-        '--trainer.strategy.mesh_shape=[[2, 1, 2], ["pp", "fsdp", "tp"]]',
-        "--trainer.strategy.meta_init=true",
-        "--data.init_args.batch_size=8",
-    ),
     "1f1b_pp2": (
         "--trainer.strategy=parallelkit.PipelineStrategy",
         '--trainer.strategy.mesh_shape=[[2], ["pp"]]',
