@@ -150,7 +150,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
             )
         super()._configure_launcher()
 
-    def check_model(self, model: Any) -> Any:
+    def check_model(self, model: Any) -> None:
         """Refuse a model this layout cannot split (e.g. tp not dividing its key/value heads) with a `PlanError`.
         The CLI calls it before any worker starts; `setup` meets the same errors on every rank otherwise. A model
         that overrides `configure_model()` parallelises itself and is not checked here."""
@@ -161,7 +161,6 @@ class ParallelkitStrategy(ModelParallelStrategy):
         tp = self.mesh_spec.size("tp")
         if tp > 1 and not is_overridden("configure_model", model):
             tensor_parallel_plan(model, tp, **self.tp_options())
-        return None
 
     def tp_options(self) -> dict[str, bool]:
         """How tensor-parallel styles are resolved: sequence parallelism (default on when tp > 1), loss parallelism."""

@@ -186,8 +186,9 @@ class PipelineStrategy(ParallelkitStrategy):
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         module = self.lightning_module
-        layers = self.check_model(module)
+        self.check_model(module)
         self._contract = parallel_plan(module)
+        layers = pipeline_layer_names(module, self._contract)
         pp_mesh = self.device_mesh["pp"]
         stages = split_stages(module, layers, self.num_stages, self.split_points)
         # Loop placement, as torch's interleaved schedules expect: rank r holds stages r, r + pp, r + 2 pp, ...
@@ -222,8 +223,8 @@ class PipelineStrategy(ParallelkitStrategy):
             skip_loop_backward(trainer)  # the schedule runs backward itself
 
     @override
-    def check_model(self, model: Any) -> list[str]:
-        """Refuse a model that cannot be pipelined (and what `fsdp_tp` refuses); returns its pipeline layers."""
+    def check_model(self, model: Any) -> None:
+        """Refuse a model that cannot be pipelined (and what `fsdp_tp` refuses)."""
         super().check_model(model)
         contract: ParallelPlan = parallel_plan(model)
         if is_overridden("configure_model", model):
@@ -232,13 +233,12 @@ class PipelineStrategy(ParallelkitStrategy):
                 "pipeline_layers and cannot split a model that parallelised itself. Remove configure_model() "
                 "or use strategy='fsdp_tp'."
             )
-        layers = pipeline_layer_names(model, contract)
+        pipeline_layer_names(model, contract)
         if contract.loss is None:
             raise PlanError(
                 f"{contract.description} has no pipeline_loss(output, target): the last pipeline stage needs it to "
                 "compute the loss."
             )
-        return layers
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._predicting:  # torch's schedules compute a loss on the last stage whatever the step is for
