@@ -7,7 +7,8 @@ import torch
 from conftest import SCRIPTS, assert_ok, assert_same_losses, common, fit, run, step_losses
 from torch import nn
 
-from parallelkit.errors import PlanError
+from parallelkit import PipelineStrategy
+from parallelkit.errors import ConfigError, PlanError
 from parallelkit.models import GPT
 from parallelkit.plan import StageModule, pipeline_layer_names, split_stages
 
@@ -40,6 +41,31 @@ STEPS = 20
             ],
             "plain",
         ),
+        # Zero-bubble schedules split each backward into input- and weight-gradient steps. ZB-V and DualPipeV place
+        # stages in a V (rank 0 holds stages 0 and 3); ZB-V also validates (torch's eval() fails at the turn of a V
+        # unless the strategy's stages step in), DualPipeV on 3D runs under tp with loss parallelism.
+        (
+            "interleaved_zero_bubble_pp2_v2",
+            "interleaved.yaml",
+            ["--trainer.strategy.schedule=interleaved_zero_bubble"],
+            "plain",
+        ),
+        (
+            "zbv_pp2_validating",
+            "interleaved.yaml",
+            [
+                "--trainer.strategy.schedule=zbv",
+                "--trainer.val_check_interval=10",
+                "--trainer.limit_val_batches=3",
+            ],
+            "val",
+        ),
+        (
+            "dualpipev_3d_pp2_fsdp1_tp2_loss_parallel",
+            "3d.yaml",
+            ["--trainer.strategy.schedule=dualpipev", "--trainer.strategy.loss_parallel=true"],
+            "plain",
+        ),
     ],
 )
 def test_pipeline_matches_single_process_losses(tmp_path, corpus, baseline, name, config, extra, expected):
@@ -47,6 +73,8 @@ def test_pipeline_matches_single_process_losses(tmp_path, corpus, baseline, name
     losses = step_losses(tmp_path)
     assert_same_losses(baseline(expected).losses(), losses)
     assert losses[STEPS - 1] < losses[0] - 1.0
+    if expected == "val":
+        assert_same_losses(baseline(expected).losses("val_loss"), step_losses(tmp_path, "val_loss"))
 
 
 def test_pipeline_clipping_uses_the_norm_across_stages_and_shards(tmp_path, corpus, baseline):
@@ -80,6 +108,48 @@ def test_every_nth_activation_checkpointing_keeps_1f1b_losses_and_recomputes_eac
     off = max(plain.losses("memory/activations_mb").values())
     on = max(step_losses(tmp_path, "memory/activations_mb").values())
     assert on < 0.5 * off, (on, off)  # measured 0.22 MB against 1.50 MB
+
+
+def test_accumulation_reduces_each_stages_gradients_once_per_optimizer_step(tmp_path, corpus, baseline):
+    """ZB-V on pp=2 x fsdp=2 with accumulate_grad_batches=2: the stages' reduce-scatters run on the last micro-step
+    only (torch's schedules would run them after every micro-step: 4 per optimizer step on rank 0, measured before
+    the strategy held them back), and the losses are one process's with the same accumulation."""
+    steps = 8
+    assert_ok(
+        fit(
+            "interleaved.yaml",
+            tmp_path,
+            *common(corpus, tmp_path / "cache", steps=steps),
+            "--trainer.strategy.schedule=zbv",
+            "--trainer.devices=4",
+            '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "fsdp"]]',
+            "--data.init_args.batch_size=4",
+            "--trainer.accumulate_grad_batches=2",
+            "--trainer.strategy.profile_communication=true",
+        )
+    )
+    model = GPT(n_layer=2, n_head=4, n_embd=64)  # the config's model
+    stages = split_stages(model, pipeline_layer_names(model), 4)
+    # Rank 0 holds the V's ends, stages 0 and 3: two FSDP roots and no block (a unit of its own), one reduce-scatter
+    # each, of its unsharded fp32 gradients.
+    assert (stages[0], stages[3]) == (["tok_emb"], ["norm", "head"])
+    held = sum(p.numel() for name in ("tok_emb", "norm", "head") for p in model.get_submodule(name).parameters())
+    assert set(step_losses(tmp_path, "comm/reduce_scatter_count").values()) == {2.0}
+    assert set(step_losses(tmp_path, "comm/reduce_scatter_bytes").values()) == {4.0 * held}
+    expected = baseline("accumulate").losses()
+    assert_same_losses({s: expected[s] for s in range(steps)}, step_losses(tmp_path))
+
+
+def test_zero_bubble_schedules_refuse_what_they_cannot_run():
+    """Before any process starts: torch's checkpoint cannot recompute a block in both halves of a split backward,
+    and V-shaped schedules hold exactly 2 stages per rank."""
+    with pytest.raises(ConfigError, match="schedule='zbv' with activation_checkpointing='full'.*recomputed twice"):
+        PipelineStrategy(schedule="zbv", activation_checkpointing="full").check_options()
+    with pytest.raises(ConfigError, match="schedule='interleaved_zero_bubble' with activation_checkpointing=2"):
+        PipelineStrategy(schedule="interleaved_zero_bubble", activation_checkpointing=2).check_options()
+    with pytest.raises(ConfigError, match="stages_per_rank=3 with schedule='dualpipev'.*exactly 2 stages per rank"):
+        PipelineStrategy(schedule="dualpipev", stages_per_rank=3).check_options()
+    PipelineStrategy(schedule="interleaved_zero_bubble", stages_per_rank=3).check_options()
 
 
 def test_pipelined_validation_gives_the_single_process_val_loss(tmp_path, corpus, baseline):

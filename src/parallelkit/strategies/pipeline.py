@@ -1,4 +1,5 @@
-"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B) inside the Lightning loop, composable with FSDP and TP.
+"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B, zero bubble) inside the Lightning loop, composable with FSDP
+and TP.
 
 The schedules are torch's (`torch.distributed.pipelining`); the integration is ours. A pipeline schedule's
 `step()` runs forward and backward for every microbatch itself, so this strategy owns the whole training
@@ -8,12 +9,19 @@ Lightning's StochasticWeightAveraging uses). Optimizer step, LR schedulers, grad
 across stages and shards) and accumulation keep their meaning. Because no rank holds the whole model, the
 strategy computes the loss with the model plan's `loss` on the last stage and logs `train_loss`,
 `val_loss` and `test_loss` itself, broadcast to every stage.
+
+Accumulation: torch's schedules end every `step()` with each stage's gradient reduction (`perform_reduce_grad`,
+which turns FSDP's gradient sync back on and reduce-scatters). On accumulation micro-steps the strategy holds it
+back (`block_backward_sync`, which Lightning enters on exactly those micro-steps), so each stage reduce-scatters
+once per optimizer step, as `fsdp_tp` does.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from collections.abc import Generator
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -21,6 +29,8 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.pipelining import PipelineStage
 from typing_extensions import override
 
 from parallelkit.comm import CommHook
@@ -31,15 +41,32 @@ from parallelkit.mesh import data_parallel_group
 from parallelkit.plan import parallelize, pipeline_layer_names, split_stages
 from parallelkit.strategies.base import MeshShape, ParallelkitStrategy
 
-SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved_1f1b": "Interleaved1F1B", "looped_bfs": "LoopedBFS"}
+SCHEDULES = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "interleaved_1f1b": "Interleaved1F1B",
+    "looped_bfs": "LoopedBFS",
+    "interleaved_zero_bubble": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
 """Schedule names users write -> torch's schedule class names."""
 
-MULTI_STAGE = {"interleaved_1f1b", "looped_bfs"}
+MULTI_STAGE = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev"}
 """Schedules that run several (virtual) stages per rank."""
+
+V_SHAPED = {"zbv", "dualpipev"}
+"""Schedules that place exactly two stages per rank in a V: rank r holds stages r and 2 pp - 1 - r, so the first and
+the last stage share rank 0 (the others use the loop placement: rank r holds stages r, r + pp, r + 2 pp, ...)."""
+
+ZERO_BUBBLE = {"interleaved_zero_bubble", "zbv", "dualpipev"}
+"""Schedules that split each backward into an input-gradient step and a later weight-gradient step, which fills
+the bubble."""
 
 
 class PipelineStrategy(ParallelkitStrategy):
-    """Pipeline parallel training (GPipe, 1F1B, interleaved 1F1B), alone or with FSDP and tensor parallelism.
+    """Pipeline parallel training (GPipe, 1F1B, interleaved 1F1B, zero bubble), alone or with FSDP and tensor
+    parallelism.
 
     The model's `pipeline_layers` are cut into stages that keep their parameter names, so a checkpoint is the
     same whatever the layout. Each rank's stages are sharded over the inner axes exactly as `fsdp_tp` does.
@@ -47,10 +74,15 @@ class PipelineStrategy(ParallelkitStrategy):
     Args:
         mesh_shape: Sizes then axis names with a `pp` axis, e.g. `[[2, 2], ["pp", "fsdp"]]` or
             `[[2, 1, 2], ["pp", "fsdp", "tp"]]`. "auto": every process is a pipeline stage.
-        schedule: "gpipe", "1f1b", "interleaved_1f1b" or "looped_bfs".
+        schedule: "gpipe", "1f1b", "interleaved_1f1b", "looped_bfs", or a zero-bubble schedule, which splits each
+            backward into an input-gradient and a weight-gradient step and fills the bubble with the latter:
+            "interleaved_zero_bubble" (ZB1P, stages placed as interleaved 1F1B's), "zbv" (ZB-V) or "dualpipev"
+            (DeepSeek's DualPipe, V variant); the last two place two stages per rank in a V (rank 0 holds the first
+            and the last). Zero-bubble schedules take no activation checkpointing.
         microbatches: Microbatches each process's batch is split into; must divide `data.batch_size`.
             Default: 2 x the number of stages (fewer bubbles than the minimum, one stage's worth).
-        stages_per_rank: Virtual stages per rank for interleaved schedules (default 2; 1 otherwise).
+        stages_per_rank: Virtual stages per rank for interleaved schedules (default 2; 1 otherwise; "zbv" and
+            "dualpipev" take exactly 2).
         split_points: Where each stage after the first begins, as indices into the expanded pipeline
             layers or as layer names (e.g. ["blocks.2"]). Default: balanced by parameter count.
         schedule_stats: Log each step's per-stage busy time and measured bubble fraction (`pp_bubble`), next
@@ -115,6 +147,7 @@ class PipelineStrategy(ParallelkitStrategy):
         self.schedule_stats = schedule_stats
         self._clock: _StageClock | None = None
         self._schedule: Any = None
+        self._stages: list[_Stage] = []
         self._loss_scale = 1.0
         self._predicting = False
 
@@ -124,12 +157,26 @@ class PipelineStrategy(ParallelkitStrategy):
             raise ConfigError(
                 f"schedule={self.schedule!r} is not a pipeline schedule; use one of {', '.join(SCHEDULES)}."
             )
+        if self._stages_per_rank is not None and self.schedule in V_SHAPED and self._stages_per_rank != 2:
+            raise ConfigError(
+                f"stages_per_rank={self._stages_per_rank} with schedule={self.schedule!r}: V-shaped schedules "
+                f"({', '.join(sorted(V_SHAPED))}) place exactly 2 stages per rank. Set stages_per_rank=2 (or leave "
+                "it out), or use schedule='interleaved_zero_bubble' for another number."
+            )
         if self._stages_per_rank is not None and (
             self._stages_per_rank < 1 or (self.schedule not in MULTI_STAGE and self._stages_per_rank != 1)
         ):
             raise ConfigError(
                 f"stages_per_rank={self._stages_per_rank} with schedule={self.schedule!r}: single-stage schedules "
-                f"(gpipe, 1f1b) take 1; interleaved ones ({', '.join(sorted(MULTI_STAGE))}) take 1 or more."
+                f"(gpipe, 1f1b) take 1; interleaved ones ({', '.join(sorted(MULTI_STAGE - V_SHAPED))}) take 1 or more."
+            )
+        if self.schedule in ZERO_BUBBLE and self.activation_checkpointing not in ("none", 0):
+            raise ConfigError(
+                f"schedule={self.schedule!r} with activation_checkpointing={self.activation_checkpointing!r}: "
+                "zero-bubble schedules run each block's backward in two passes (input gradients, then weight "
+                "gradients), so a checkpointed block would be recomputed twice, which torch's checkpoint cannot do "
+                "(it fails in the weight pass). Set activation_checkpointing='none', or checkpoint under "
+                "schedule='interleaved_1f1b' (or '1f1b')."
             )
         if self._microbatches is not None and self._microbatches < 1:
             raise ConfigError(f"microbatches={self._microbatches}: use a positive number that divides data.batch_size.")
@@ -180,9 +227,26 @@ class PipelineStrategy(ParallelkitStrategy):
                 f"schedule={self.schedule!r} needs microbatches to be a multiple of pp={self.pp_size}, got "
                 f"{self.microbatches}."
             )
+        if self.schedule == "dualpipev" and self.microbatches < self.num_stages:
+            raise ConfigError(
+                f"schedule='dualpipev' needs at least as many microbatches as stages ({self.num_stages}: pp="
+                f"{self.pp_size} x 2), got microbatches={self.microbatches}. Use microbatches >= {self.num_stages} "
+                "(and dividing data.batch_size)."
+            )
+
+    def stage_indices(self, pp_rank: int) -> list[int]:
+        """The stages pipeline rank `pp_rank` holds, in the order torch's schedules expect.
+
+        Loop placement (every multi-stage schedule but the V-shaped ones): rank r holds r, r + pp, r + 2 pp, ...
+        V placement: the stages go down the ranks and back up, so with pp=2 rank 0 holds 0 and 3, rank 1 holds 1 and
+        2; the last stage then runs beside the first, and the turn (stages pp - 1 and pp) needs no send.
+        """
+        pp = self.pp_size
+        if self.schedule in V_SHAPED:
+            return [pp_rank, 2 * pp - 1 - pp_rank]
+        return [pp_rank + i * pp for i in range(self.stages_per_rank)]
 
     def parallelize_model(self, trainer: Any) -> None:
-        from torch.distributed.pipelining import PipelineStage
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         module = self.lightning_module
@@ -191,16 +255,16 @@ class PipelineStrategy(ParallelkitStrategy):
         layers = pipeline_layer_names(module, self._contract)
         pp_mesh = self.device_mesh["pp"]
         stages = split_stages(module, layers, self.num_stages, self.split_points)
-        # Loop placement, as torch's interleaved schedules expect: rank r holds stages r, r + pp, r + 2 pp, ...
-        mine = [pp_mesh.get_local_rank() + i * self.pp_size for i in range(self.stages_per_rank)]
+        mine = self.stage_indices(pp_mesh.get_local_rank())
         modules = parallelize(module, self.device_mesh, stages=[stages[i] for i in mine], **self.parallelize_options())
         if self.reshard_after_forward != "always":
             for stage in modules:
                 quiet_root_view_warning(stage)
         pipeline_stages = [
-            PipelineStage(stage, index, self.num_stages, self.root_device, group=pp_mesh.get_group())
+            _Stage(stage, index, self.num_stages, self.root_device, group=pp_mesh.get_group())
             for index, stage in zip(mine, modules)
         ]
+        self._stages = pipeline_stages
         schedule_class = get_schedule_class(SCHEDULES[self.schedule])
         self._schedule = schedule_class(
             pipeline_stages if self.schedule in MULTI_STAGE else pipeline_stages[0],
@@ -216,7 +280,8 @@ class PipelineStrategy(ParallelkitStrategy):
         self._has_last = any(stage.is_last for stage in pipeline_stages)
         self._pp_group = pp_mesh.get_group()
         self._dp_group = data_parallel_group(self)
-        self._last_stage_rank = dist.get_global_rank(self._pp_group, self.pp_size - 1)
+        last = next(rank for rank in range(self.pp_size) if self.num_stages - 1 in self.stage_indices(rank))
+        self._last_stage_rank = dist.get_global_rank(self._pp_group, last)
         # Gradient clipping adds up the stages' norms.
         self.precision_plugin.stage_group = pp_mesh.get_group()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -279,9 +344,19 @@ class PipelineStrategy(ParallelkitStrategy):
         return loss
 
     @property
-    def theoretical_bubble(self) -> float:
-        """Idle fraction of an ideal schedule: (p - 1) / (v m + p - 1) for p ranks, v stages each, m microbatches."""
+    def theoretical_bubble(self) -> float | None:
+        """Idle fraction of the ideal schedule, for p ranks, v stages each, m microbatches: (p - 1) / (v m + p - 1)
+        for GPipe and the 1F1B family. Zero-bubble schedules assume equal forward, input-gradient and weight-gradient
+        times: ZB1P leaves a third of 1F1B's idle time, (p - 1) / (3 v m + p - 1); ZB-V none. DualPipeV's depends on
+        how much of a forward overlaps a backward (the DualPipe paper's F&B): None."""
         p, v, m = self.pp_size, self.stages_per_rank, self.microbatches
+        match self.schedule:
+            case "interleaved_zero_bubble":
+                return (p - 1) / (3 * v * m + p - 1)
+            case "zbv":
+                return 0.0
+            case "dualpipev":
+                return None
         return (p - 1) / (v * m + p - 1)
 
     def _log_schedule_stats(self, busy: float, wall: float) -> None:
@@ -294,7 +369,21 @@ class PipelineStrategy(ParallelkitStrategy):
             module.log(f"pp_bubble/rank{rank}", 1 - (rank_busy / rank_wall).item(), on_step=True, rank_zero_only=True)
         bubble = 1 - sum(b for b, _ in times).item() / sum(w for _, w in times).item()
         module.log("pp_bubble", bubble, on_step=True, prog_bar=True, rank_zero_only=True)
-        module.log("pp_bubble_theory", self.theoretical_bubble, on_step=True, rank_zero_only=True)
+        if self.theoretical_bubble is not None:
+            module.log("pp_bubble_theory", self.theoretical_bubble, on_step=True, rank_zero_only=True)
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-steps (Lightning enters this around them) keep every stage's gradients local: the
+        schedule's closing reduction is held back until the last micro-step of the optimizer step."""
+        for stage in self._stages:
+            stage.reduce_gradients = False
+        try:
+            yield
+        finally:
+            for stage in self._stages:
+                stage.reduce_gradients = True
 
     @override
     def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
@@ -335,6 +424,41 @@ class PipelineStrategy(ParallelkitStrategy):
     def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
         loss = self._run(batch, train=False)
         self.lightning_module.log("test_loss", loss, on_epoch=True, sync_dist=True, sync_dist_group=self._dp_group)
+
+
+class _Stage(PipelineStage):
+    """A pipeline stage whose end-of-step gradient reduction can be held back (gradient accumulation), and that runs
+    forward-only steps of V-shaped schedules.
+
+    torch's schedules end every step with each stage's `perform_reduce_grad`: it turns FSDP's gradient sync back on
+    and runs every FSDP group's post-backward, which reduce-scatters the gradients the microbatches accumulated
+    unsharded (the schedule keeps sync off between them). Held back (`reduce_gradients` False), the stage only
+    reshards its parameters, as FSDP does after a backward without sync: the unsharded gradients stay and keep
+    accumulating, and the last micro-step's reduction sends them all at once.
+    """
+
+    reduce_gradients = True
+
+    @override
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        if self.reduce_gradients:
+            super().perform_reduce_grad(grad_scale_factor)
+            return
+        for module in self.submod.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+
+    # torch 2.13's eval() runs a schedule's backward actions as no-ops, but still hands each backward's input
+    # gradients to the previous stage when that stage is on the same rank, and both ends assert that there is a
+    # backward: every V-shaped schedule's validation failed at the turn of the V. There is nothing to hand over.
+    @override
+    def get_local_bwd_output(self, mb_index: int) -> tuple[torch.Tensor | None, ...]:
+        return super().get_local_bwd_output(mb_index) if self.has_backward else ()
+
+    @override
+    def set_local_bwd_input(self, next_stage_bwd_outputs: tuple[torch.Tensor | None, ...], mb_index: int) -> None:
+        if self.has_backward:
+            super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
 
 
 class _StageClock:
