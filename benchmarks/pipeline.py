@@ -1,11 +1,16 @@
-"""Pipeline schedules side by side: GPipe, 1F1B and interleaved 1F1B at several microbatch counts.
+"""Pipeline schedules side by side: GPipe, 1F1B, interleaved 1F1B and the zero-bubble schedules (interleaved zero
+bubble, ZB-V, DualPipeV) at several microbatch counts.
 
     python benchmarks/pipeline.py                     # pp=2 on 2 processes, m = 4 and 8
     python benchmarks/pipeline.py --microbatches 4 8 16 --n-layer 8
+    python benchmarks/pipeline.py --schedules 1f1b zbv   # a subset
 
 For each (schedule, m): median step time, the measured bubble (1 - busy / wall, summed over stages, from the
-strategy's `schedule_stats`) next to the theory (p-1)/(v m + p-1), and each stage's peak activation memory
-(bytes autograd holds for backward, `ActivationMemoryMonitor`). Each rank processes one batch of m
+strategy's `schedule_stats`) next to the strategy's theory (`theoretical_bubble`: (p-1)/(v m + p-1) for GPipe and
+the 1F1B family; for zero-bubble schedules the ideal with equal forward, input-gradient and weight-gradient times,
+none for DualPipeV), and each rank's peak activation memory (bytes autograd holds for backward,
+`ActivationMemoryMonitor`; under ZB-V and DualPipeV rank 0 holds the first and the last stage). Multi-stage schedules
+run 2 stages per rank. Each rank processes one batch of m
 microbatches of `--microbatch-size` sequences per step. Runs take turns (every configuration once per repeat).
 Writes results/pipeline.{json,png}.
 """
@@ -28,11 +33,12 @@ from parallelkit.callbacks import ActivationMemoryMonitor
 from parallelkit.data import SyntheticDataModule
 from parallelkit.models import GPT
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "interleaved_zero_bubble", "zbv", "dualpipev")
 
 
 class BubbleLog(L.Callback):
-    """The measured and theoretical bubble the strategy logs each step (rank 0 holds them)."""
+    """The measured and theoretical bubble the strategy logs each step (rank 0 holds them; no theory for some
+    schedules)."""
 
     def __init__(self) -> None:
         self.measured: list[float] = []
@@ -42,6 +48,7 @@ class BubbleLog(L.Callback):
         metrics = trainer.callback_metrics
         if "pp_bubble" in metrics:
             self.measured.append(float(metrics["pp_bubble"]))
+        if "pp_bubble_theory" in metrics:
             self.theory = float(metrics["pp_bubble_theory"])
 
 
@@ -71,7 +78,7 @@ def run(args: argparse.Namespace, schedule: str, microbatches: int) -> dict[str,
 
 def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    configs = [(s, m) for s in SCHEDULES for m in args.microbatches]
+    configs = [(s, m) for s in args.schedules for m in args.microbatches]
     runs: dict[str, dict[str, Any]] = {}
     for _ in range(args.repeats):
         for schedule, m in configs:
@@ -102,6 +109,7 @@ def worker(args: argparse.Namespace) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nproc", type=int, default=2, help="pipeline stages (processes)")
+    parser.add_argument("--schedules", nargs="+", choices=SCHEDULES, default=list(SCHEDULES))
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
     parser.add_argument("--microbatch-size", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=2)
@@ -118,27 +126,28 @@ def main() -> None:
         return
     out = Path("/tmp/parallelkit-bench-pipeline.json")
     names = ("microbatch_size", "repeats", "steps", "warmup", "n_layer", "n_head", "n_embd", "seq_len")
-    launch(__file__, args.nproc, forward(args, names, lists=("microbatches",)), out)
+    launch(__file__, args.nproc, forward(args, names, lists=("schedules", "microbatches")), out)
     runs = json.loads(out.read_text())
     result = {"machine": machine(), "command": "python benchmarks/pipeline.py", "args": vars(args), "runs": runs}
     write("pipeline", result)
     chart(
         "pipeline",
-        f"pipeline pp={args.nproc}: bubble (measured vs theory) and stage-0 activations",
+        f"pipeline pp={args.nproc}: bubble (measured vs theory) and rank-0 activations",
         {
             key: {
                 "bubble %": 100 * r["bubble"],
-                "theory %": 100 * r["bubble_theory"],
-                "stage 0 act. MB": r["stage_activation_mb"][0],
+                "theory %": float("nan") if r["bubble_theory"] is None else 100 * r["bubble_theory"],  # no bar
+                "rank 0 act. MB": r["stage_activation_mb"][0],
             }
             for key, r in runs.items()
         },
         "% / MB",
     )
     for key, r in runs.items():
+        theory = "-" if r["bubble_theory"] is None else f"{r['bubble_theory']:.3f}"
         print(
-            f"{key:22s} step {r['median_s'] * 1000:7.1f} ms  bubble {r['bubble']:.3f} (theory {r['bubble_theory']:.3f})"
-            f"  activations MB per stage {[round(a, 2) for a in r['stage_activation_mb']]}"
+            f"{key:29s} step {r['median_s'] * 1000:7.1f} ms  bubble {r['bubble']:.3f} (theory {theory:>5s})"
+            f"  activations MB per rank {[round(a, 2) for a in r['stage_activation_mb']]}"
         )
 
 
