@@ -303,3 +303,19 @@ class PredictionLosses(BasePredictionWriter):
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(self.batches, f)
+
+
+class GPTGatheringPerProjection(GPT):
+    """The reference GPT without its `gather_input` entries: under sequence parallelism each column-wise projection
+    all-gathers the sequence-sharded input itself (q, k and v each), as the plan did before them."""
+
+    tp_plan = {pattern: style for pattern, style in GPT.tp_plan.items() if style != "gather_input"}
+
+
+class CompiledGraphs(L.Callback):
+    """Logs `compiled_graphs`: how many graphs torch.compile has built in this process so far (0: nothing compiled)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        from torch._dynamo.utils import counters
+
+        pl_module.log("compiled_graphs", float(counters["stats"]["unique_graphs"]), on_step=True, rank_zero_only=True)

@@ -66,6 +66,20 @@ def test_fp32_gradient_bytes_equal_four_bytes_per_parameter_per_step(runs):
 
 
 @pytest.mark.parametrize(("half", "full"), [("bf16_hsdp_50", "fp32_50"), ("fp16_20", "fp32_20")])
+def test_each_unit_is_gathered_once_in_forward_and_again_in_backward_only_if_resharded(runs):
+    """All-gathered bytes per step on [[4, 1]]: every unit once in forward, and in backward again every block but
+    the last (default reshard: the last block and the root keep their parameters for backward). The root, whose
+    forward runs the whole training step, once: a step calling `self(x)` inside it must not reshard it at its end
+    (which gathered the root, 131 KB here, a second time)."""
+    model = reference_model()
+    blocks = [sum(p.numel() for p in unit.parameters()) for _, unit in fsdp_units(model)]
+    root = sum(p.numel() for p in model.parameters()) - sum(blocks)
+    fsdp = 4 * (root + sum(blocks) + sum(blocks[:-1]))
+    gathered = step_losses(runs / "fp32_20", "comm/all_gather_bytes")
+    # The rest is RankMonitor's gather of each rank's few statistics.
+    assert all(0 <= value - fsdp < 1024 for value in gathered.values()), (fsdp, gathered)
+
+
 def test_half_precision_hooks_halve_gradient_bytes(runs, half, full):
     full_bytes = step_losses(runs / full, "comm/reduce_scatter_bytes")
     half_bytes = step_losses(runs / half, "comm/reduce_scatter_bytes")

@@ -38,9 +38,6 @@ def resolve(dotted: str):
 CALLABLES = {
     "lightning.fabric.utilities.distributed._destroy_dist_connection": "()",
     "lightning.pytorch.strategies.ModelParallelStrategy._setup_distributed": "(self)",
-    "lightning.pytorch.strategies.strategy._ForwardRedirection.__call__": (
-        "(self, wrapper_module, original_module, method_name, *args, **kwargs)"
-    ),
     "lightning.pytorch.loops.fit_loop._FitLoop._should_accumulate": "(self)",
     "torch.distributed.device_mesh.DeviceMesh._flatten": "(self, mesh_dim_name=None, backend_override=None)",
     "torch.distributed._composable.checkpoint": "(module, **kwargs)",
@@ -72,6 +69,7 @@ def test_private_attributes_exist_on_the_objects_that_hold_them():
     assert strategy._device_mesh is None  # compat.set_device_mesh
     assert strategy._save_distributed_checkpoint is False  # compat.saves_distributed_checkpoint
     assert L.LightningModule()._device_mesh is None
+    assert torch.nn.Module()._compiled_call_impl is None  # compat.run_as_forward
     assert "_flatten_mapping" in inspect.getsource(DeviceMesh)  # compat.flattened_meshes (set when a mesh is built)
     assert hasattr(compat.dispatch_mode_class(), "__torch_dispatch__")
     assert "_local_tensor" in DTensor.__annotations__  # compat.storage_key (building a DTensor needs a mesh)
@@ -93,6 +91,11 @@ def test_private_tensor_apis_still_answer():
     block = torch.nn.Linear(2, 2)
     compat.composable_checkpoint(block)
     block(torch.ones(1, 2, requires_grad=True)).sum().backward()
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor  # compat.settle_async_collectives
+
+    pending = AsyncCollectiveTensor(torch.ones(2, requires_grad=True))
+    settled = compat.settle_async_collectives({"x": (pending, 1)})
+    assert type(settled["x"][0]) is torch.Tensor and settled["x"][1] == 1
 
 
 def test_transformers_private_names_still_answer():

@@ -8,7 +8,19 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, assert_ok, assert_same_losses, common, fit, free_port, run, step_losses, torchrun
+from conftest import (
+    REPO,
+    assert_ok,
+    assert_same_losses,
+    callback,
+    checkpoint_every,
+    common,
+    fit,
+    free_port,
+    run,
+    step_losses,
+    torchrun,
+)
 
 from parallelkit.callbacks.activations import SavedTensorWindow
 from parallelkit.models import GPT
@@ -305,3 +317,59 @@ def test_auto_mesh_takes_the_planners_layout_and_keeps_parity(tmp_path, corpus):
     )
     assert_ok(single)
     assert_same_losses(step_losses(tmp_path / "single"), step_losses(tmp_path / "auto"))
+
+
+def test_compiled_blocks_match_one_process_and_checkpoints_cross_between_compiled_and_eager(
+    tmp_path, corpus, baselines, reference
+):
+    """compile=true on [[2, 2]] (inductor per block, inside tensor parallelism with sequence parallelism, under FSDP,
+    meta_init): per-step losses equal one process's over 20 steps, and torch.compile did build graphs (an ignored
+    flag fails). Checkpoint names are the eager model's: the compiled run's step-10 checkpoint resumes eager, and
+    the eager reference run's resumes compiled, each giving one process's steps 10 and 11."""
+    compiled = tmp_path / "compiled"
+    run = [*common(corpus, tmp_path / "cache"), "--trainer.strategy.compile=true"]
+    graphs = callback("models.CompiledGraphs")
+    assert_ok(fit("hybrid.yaml", compiled, *run, graphs, checkpoint_every(compiled / "ckpt", 10)))
+    assert_same_losses(baselines["plain"], step_losses(compiled))
+    assert min(step_losses(compiled, "compiled_graphs").values()) > 0
+    stop = callback("models.StopAfter", step=12)
+    crossings = {
+        "eager_from_compiled": (compiled / "ckpt" / "epoch=0-step=10.ckpt", "false"),
+        "compiled_from_eager": (reference("hybrid.yaml").checkpoint, "true"),
+    }
+    for name, (checkpoint, flag) in crossings.items():
+        resume = [f"--ckpt_path={checkpoint}", f"--trainer.strategy.compile={flag}", graphs, stop]
+        assert_ok(fit("hybrid.yaml", tmp_path / name, *run, *resume))
+        resumed = step_losses(tmp_path / name)
+        assert sorted(resumed) == [10, 11], name
+        assert_same_losses({step: baselines["plain"][step] for step in resumed}, resumed)
+        assert (min(step_losses(tmp_path / name, "compiled_graphs").values()) > 0) == (flag == "true"), name
+
+
+def test_attention_and_mlp_gather_their_sequence_sharded_input_once_for_all_their_projections(tmp_path, corpus):
+    """Sequence parallelism on [[1, 2]]: the GPT's `gather_input` entries make its attention and MLP all-gather their
+    input once for q, k and v (up), where each column-wise projection gathered it itself before (the same GPT
+    without those entries): per step at least 2 all-gathers fewer per block (k's and v's), at least 2 reduce-scatters
+    fewer (their input gradients), and the same losses. Counts from profile_communication, 3 steps."""
+    counts = {}
+    for model in ("GPT", "GPTGatheringPerProjection"):
+        assert_ok(
+            fit(
+                "hybrid.yaml",
+                tmp_path / model,
+                *common(corpus, tmp_path / "cache", steps=3),
+                f"--model=models.{model}",
+                "--model.init_args.n_layer=2",
+                "--model.init_args.n_head=4",
+                "--model.init_args.n_embd=64",
+                *layout('[[1, 2], ["fsdp", "tp"]]', 2, 8),
+                "--trainer.strategy.profile_communication=true",
+            )
+        )
+        counts[model] = {
+            kind: step_losses(tmp_path / model, f"comm/{kind}_count") for kind in ("all_gather", "reduce_scatter")
+        }
+    assert_same_losses(step_losses(tmp_path / "GPTGatheringPerProjection"), step_losses(tmp_path / "GPT"), rtol=1e-6)
+    for kind in ("all_gather", "reduce_scatter"):
+        fewer = {s: counts["GPTGatheringPerProjection"][kind][s] - counts["GPT"][kind][s] for s in range(3)}
+        assert all(value >= 2 * 2 for value in fewer.values()), (kind, counts)

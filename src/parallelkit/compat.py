@@ -63,11 +63,37 @@ def saves_distributed_checkpoint(strategy: ParallelStrategy) -> bool:
 
 
 def run_as_forward(module: Module, method: str, *args: Any, **kwargs: Any) -> Any:
-    """Call `module.<method>(*args, **kwargs)` through `module(...)`, so that its forward hooks run around it.
-    Lightning's `_ForwardRedirection`, which its DDP and FSDP1 strategies use on their wrappers."""
-    from lightning.pytorch.strategies.strategy import _ForwardRedirection
+    """Call `module.<method>(*args, **kwargs)` through `module(...)`, so that its forward hooks run around it (what
+    Lightning's `_ForwardRedirection` does for its DDP and FSDP1 wrappers).
 
-    return _ForwardRedirection()(module, module, method, *args, **kwargs)
+    Inside, calling the module itself (`self(x)` in a training_step) runs its `forward` alone, not its hooks again:
+    FSDP2's, nested, would leave the root's parameter group idle at the inner call's end, so that the outer call's
+    end frees the root's gathered parameters and backward gathers them a second time. nn.Module's call runs
+    `_compiled_call_impl` instead of its hooks when one is set (what `Module.compile()` sets).
+    """
+    step = getattr(module, method)
+    own_forward = vars(module).get("forward")  # an instance's own forward, else the class's
+
+    def restore_forward() -> None:
+        if own_forward is not None:
+            module.forward = own_forward
+        else:
+            vars(module).pop("forward", None)
+
+    def forward(*inner_args: Any, **inner_kwargs: Any) -> Any:
+        restore_forward()
+        compiled = module._compiled_call_impl
+        module._compiled_call_impl = module.forward
+        try:
+            return step(*inner_args, **inner_kwargs)
+        finally:
+            module._compiled_call_impl = compiled
+
+    module.forward = forward
+    try:
+        return module(*args, **kwargs)
+    finally:
+        restore_forward()  # also when a hook failed before the forward ran
 
 
 def skip_loop_backward(trainer: L.Trainer) -> None:
@@ -110,6 +136,20 @@ def composable_checkpoint(module: Module) -> None:
     from torch.distributed._composable import checkpoint
 
     checkpoint(module)
+
+
+def settle_async_collectives(tree: Any) -> Any:
+    """`tree` with every `AsyncCollectiveTensor` (what a tensor-parallel style's `to_local()` returns while its
+    collective may still run) replaced by a plain copy of its value that autograd links to it.
+
+    A compiled region takes plain tensors: handed an AsyncCollectiveTensor (e.g. the embedding's output, under tensor
+    parallelism) as an input, torch 2.13's AOTAutograd routes the input's gradient past the wrapper's backward into
+    the DTensor redistribution before it, which then fails on a plain tensor or, under FSDP, yields wrong gradients.
+    """
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(AsyncCollectiveTensor, lambda tensor: tensor.clone(), tree)
 
 
 def dispatch_mode_class() -> type:

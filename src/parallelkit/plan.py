@@ -23,6 +23,7 @@ if TYPE_CHECKING:
     from torch.distributed.tensor.parallel import ParallelStyle
 
 STYLES = (
+    "gather_input",
     "colwise",
     "rowwise",
     "colwise_gather",
@@ -37,9 +38,10 @@ STYLES = (
 SHARDING_STYLES = ("colwise", "rowwise", "colwise_gather", "vocab_embedding", "vocab_head")
 """Styles that split a module's weights over the tp group (each rank holds 1 / tp of them)."""
 
-GATHERING_STYLES = ("colwise", "colwise_gather", "vocab_head")
+GATHERING_STYLES = ("gather_input", "colwise", "colwise_gather", "vocab_head")
 """Styles whose input sequence parallelism all-gathers (and autograd then keeps whole); the other sharding styles
-reduce-scatter (or all-reduce) their output."""
+reduce-scatter (or all-reduce) their output. A column-wise layer inside a `gather_input` module takes the input
+that module gathered (`gathered_inside`): one all-gather serves them all."""
 
 
 def matches(pattern: str, fqn: str) -> bool:
@@ -88,6 +90,42 @@ def _replicate_style() -> ParallelStyle:
     return _Replicate()
 
 
+def _gather_input_style() -> ParallelStyle:
+    """All-gather a module's sequence-sharded input once, for the column-wise layers inside it to share.
+
+    The input is the first positional tensor, or else the keyword argument named as the module's `forward`'s first
+    parameter (transformers calls attention with `hidden_states=...`). It reaches the module as this rank's local
+    part of a Shard(1) stream and leaves the hook as a Replicate DTensor: the column-wise layers take it as it is,
+    and in backward their partial input gradients add up into one reduce-scatter.
+    """
+    import inspect
+
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    def gathered(x: Any, mesh: DeviceMesh) -> Any:
+        if not _plain_tensor(x):
+            return x
+        return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
+
+    class _GatherInput(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            first = next(iter(inspect.signature(module.forward).parameters), None)
+
+            def gather(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                index = next((i for i, x in enumerate(args) if _plain_tensor(x)), None)
+                if index is not None:
+                    args = (*args[:index], gathered(args[index], device_mesh), *args[index + 1 :])
+                elif first in kwargs:
+                    kwargs = {**kwargs, first: gathered(kwargs[first], device_mesh)}
+                return args, kwargs
+
+            module.register_forward_pre_hook(gather, with_kwargs=True)
+            return module
+
+    return _GatherInput()
+
+
 def _plain_tensor(x: Any) -> bool:
     import torch
     from torch.distributed.tensor import DTensor
@@ -95,23 +133,29 @@ def _plain_tensor(x: Any) -> bool:
     return isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
 
 
-def tp_style(name: str, *, sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle | None:
+def tp_style(
+    name: str, *, sequence_parallel: bool, loss_parallel: bool, input_gathered: bool = False
+) -> ParallelStyle | None:
     """The torch ParallelStyle for a style name; None means "leave the module as it is".
 
     With sequence parallelism the residual stream between blocks is sharded on the sequence dim (Shard(1)):
-    embeddings and row-wise outputs produce it, norms compute on it, column-wise inputs gather it.
+    embeddings and row-wise outputs produce it, norms compute on it, column-wise inputs gather it, each on its own
+    or, `input_gathered`, once for all of them in the `gather_input` module around them.
     """
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 
     stream = Shard(1) if sequence_parallel else Replicate()
+    source = Replicate() if input_gathered else stream  # what a column-wise layer is handed
     match name:
+        case "gather_input":
+            return _gather_input_style() if sequence_parallel else None
         case "colwise":
-            return ColwiseParallel(input_layouts=stream)
+            return ColwiseParallel(input_layouts=source)
         case "rowwise":
             return RowwiseParallel(output_layouts=stream)
         case "colwise_gather":
-            return ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
+            return ColwiseParallel(input_layouts=source, output_layouts=Replicate())
         case "head_norm":
             # A norm over each head's channels (Qwen3's q_norm/k_norm) after a column-wise projection: its input,
             # (batch, seq, heads, head_dim), holds this rank's heads. Seen as a DTensor sharded on the heads dim,
@@ -172,17 +216,40 @@ def tensor_parallel_plan(
             f"Styles: {', '.join(STYLES)}. Or use a mesh without a tp axis."
         )
     plan: dict[str, ParallelStyle] = {}
+    gathering = gathered_inside(model, contract)
     for pattern, style in declared.items():
         for fqn, module in select(model, [pattern], "tp_plan"):
             if isinstance(style, ParallelStyle):
                 plan[fqn] = style
                 continue
             _check_divisible(model, fqn, module, style, tp)
-            resolved = tp_style(style, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+            resolved = tp_style(
+                style,
+                sequence_parallel=sequence_parallel,
+                loss_parallel=loss_parallel,
+                input_gathered=fqn in gathering,
+            )
             if resolved is not None:
                 plan[fqn] = resolved
     _check_divisors(contract, tp)  # after the sizes of split weights, which name the module
     return plan
+
+
+def gathered_inside(model: nn.Module, contract: ParallelPlan) -> dict[str, str]:
+    """{column-wise layer: the `gather_input` module around it}: the layers whose input their module gathers."""
+    modules = {
+        fqn: style
+        for pattern, style in contract.tp.items()
+        if isinstance(style, str)
+        for fqn, _ in select(model, [pattern], "tp_plan")
+    }
+    gathers = [fqn for fqn, style in modules.items() if style == "gather_input"]
+    inside = {}
+    for fqn, style in modules.items():
+        around = [g for g in gathers if fqn.startswith(f"{g}.")]
+        if around and style in GATHERING_STYLES:
+            inside[fqn] = around[0]
+    return inside
 
 
 def _check_divisors(contract: ParallelPlan, tp: int) -> None:
@@ -297,6 +364,44 @@ def apply_activation_checkpointing(units: list[Unit], policy: str | int) -> None
                 composable_checkpoint(module)
 
 
+def apply_compile(units: list[Unit], backend: str | None) -> None:
+    """Compile each block's `forward` with `torch.compile(backend=backend)` (None: leave them eager).
+
+    Per block, as the field's reference trainers do: blocks repeat, so one compilation serves them all, and the
+    embedding, head and loss stay eager. Only `forward` is compiled, not the module's call: the hooks of tensor
+    parallel's children run inside the compiled code, while those on the block itself (FSDP's gathers, activation
+    checkpointing) stay outside it, and parameter names, so checkpoints, are those of the eager model.
+
+    A compiled block runs under saved-tensor hooks that keep each tensor as it is: torch 2.13's dynamo traces the
+    hooks active when it compiles (e.g. the activation monitors' ledger) and fails on FSDP's DTensor parameters;
+    so activation monitors do not see what compiled blocks save for backward.
+    """
+    if backend is None:
+        return
+    import torch
+
+    from parallelkit.compat import settle_async_collectives
+
+    def compiled_forward(module: nn.Module) -> Any:
+        compiled = torch.compile(module.forward, backend=backend)
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            args, kwargs = settle_async_collectives((args, kwargs))
+            with torch.autograd.graph.saved_tensors_hooks(_keep, _keep):
+                return compiled(*args, **kwargs)
+
+        return forward
+
+    for unit in units:
+        for module in unit if isinstance(unit, list) else [unit]:
+            module.forward = compiled_forward(module)
+
+
+def _keep(tensor: Any) -> Any:
+    """A saved-tensor hook that keeps the tensor as it is."""
+    return tensor
+
+
 def apply_fsdp(
     root: nn.Module,
     units: list[Unit],
@@ -343,17 +448,19 @@ def parallelize(
     sequence_parallel: bool = True,
     loss_parallel: bool = False,
     activation_checkpointing: str | int = "none",
+    compile: str | None = None,
     reshard_after_forward: str = "default",
     param_dtype: Any = None,
     comm_hook: Any = None,
     cpu_offload: bool = False,
 ) -> list[nn.Module]:
     """Make `model` parallel over `mesh`, in the one fixed order: tensor parallel -> pipeline split ->
-    activation checkpointing -> FSDP. Returns the modules to run: `[model]`, or with `stages` (this rank's
-    pipeline stages, as lists of layer names) one `StageModule` per stage, the other layers dropped.
+    activation checkpointing -> compile -> FSDP. Returns the modules to run: `[model]`, or with `stages` (this
+    rank's pipeline stages, as lists of layer names) one `StageModule` per stage, the other layers dropped.
 
     TP comes first because FSDP shards the DTensors TP made; checkpointing sits inside FSDP units so the
-    recompute sees gathered parameters; each stage is its own FSDP root.
+    recompute sees gathered parameters; the compiled blocks see TP's collectives but not FSDP's; each stage is
+    its own FSDP root. `compile`: the `torch.compile` backend for each block, or None (eager).
     """
     from parallelkit.mesh import data_parallel_mesh
 
@@ -380,6 +487,7 @@ def parallelize(
     hsdp = all(axis in names for axis in ("replicate", "fsdp"))
     for root, root_units in roots:
         apply_activation_checkpointing(root_units, activation_checkpointing)
+        apply_compile(root_units, compile)
         if dp_mesh is not None:
             apply_fsdp(
                 root,

@@ -169,6 +169,7 @@ def profile(
         GATHERING_STYLES,
         SHARDING_STYLES,
         fsdp_units,
+        gathered_inside,
         pipeline_layer_names,
         select,
         tensor_parallel_plan,
@@ -182,10 +183,12 @@ def profile(
     units = {fqn for fqn, _ in fsdp_units(model, contract)}
     sharded: set[int] = set()
     tp_modules: list[tuple[nn.Module, str]] = []
+    gathering = gathered_inside(model, contract)
     for pattern, style in contract.tp.items():
-        for _, module in select(model, [pattern], "tp_plan"):
+        for fqn, module in select(model, [pattern], "tp_plan"):
             if style in SHARDING_STYLES:
                 sharded.update(id(p) for p in module.parameters())
+            if (style in SHARDING_STYLES or style in GATHERING_STYLES) and fqn not in gathering:
                 tp_modules.append((module, style))
 
     ledger = _SavedTensorLedger()
@@ -215,8 +218,8 @@ def profile(
         layer = model.get_submodule(name)
         handles += [layer.register_forward_pre_hook(enter(name)), layer.register_forward_hook(leave(name))]
     for module, style in tp_modules:
-        # Sequence parallelism all-gathers a column-wise layer's input (which autograd then keeps whole) and
-        # reduce-scatters a row-wise layer's output.
+        # Sequence parallelism all-gathers a column-wise layer's input (which autograd then keeps whole), once for
+        # all of them in a gather_input module, and reduce-scatters a row-wise layer's output.
         if style in GATHERING_STYLES:
             handles.append(module.register_forward_pre_hook(record(gathered, "input")))
         else:

@@ -92,11 +92,13 @@ class GPT(CausalLM):
     tp_plan = {
         "tok_emb": "vocab_embedding",
         "blocks.*.attn_norm": "sequence_parallel",
+        "blocks.*.attn": "gather_input",  # one all-gather of the sequence-sharded input for q, k and v
         "blocks.*.attn.q": "colwise",
         "blocks.*.attn.k": "colwise",
         "blocks.*.attn.v": "colwise",
         "blocks.*.attn.proj": "rowwise",
         "blocks.*.mlp_norm": "sequence_parallel",
+        "blocks.*.mlp": "gather_input",
         "blocks.*.mlp.up": "colwise",
         "blocks.*.mlp.down": "rowwise",
         "norm": "sequence_parallel",

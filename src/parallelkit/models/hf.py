@@ -232,6 +232,13 @@ class HFCausalLM(CausalLM):
                 tp[f"{names['layers']}.*.{child}"] = "sequence_parallel"
         if isinstance(getattr(self.model.base_model, "norm", None), nn.Module):
             tp[f"{names['base']}.norm"] = "sequence_parallel"
+        # A decoder layer's attention and MLP feed one input to several column-wise projections (q, k, v; gate,
+        # up): gathered once at the module under sequence parallelism, not once per projection.
+        in_layer = f"{names['layers']}.*."
+        for pattern, style in list(tp.items()):
+            module = pattern.rpartition(".")[0]
+            if style == "colwise" and module.startswith(in_layer) and "." not in module.removeprefix(in_layer):
+                tp.setdefault(module, "gather_input")
         return ParallelPlan(
             tp=tp,
             fsdp_units=[f"{names['layers']}.*"],

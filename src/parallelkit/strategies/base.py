@@ -20,10 +20,13 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from typing_extensions import override
 
+from parallelkit.callbacks.activations import ActivationMemoryMonitor
 from parallelkit.callbacks.comm import CommunicationMonitor
+from parallelkit.callbacks.monitors import RankMonitor
 from parallelkit.callbacks.preemption import PreemptionCheckpoint
 from parallelkit.checkpoint import check_compatible, publish, remove, staging_path
 from parallelkit.comm import CommHook
@@ -40,6 +43,21 @@ from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import clip_grad_norm_
 from parallelkit.init import has_meta_tensors, materialize, meta_parameters
 from parallelkit.mesh import AXES, MeshSpec
+
+
+def compile_backends() -> list[str]:
+    """The backends `torch.compile` knows (inductor, aot_eager, eager, ...)."""
+    return torch.compiler.list_backends(exclude_tags=())
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would build CPU kernels with, if there is one."""
+    import os
+    import shutil
+
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    return next((path for name in names if (path := shutil.which(name))), None)
+
 
 MeshShape = str | Sequence[Any]
 """`[[sizes...], [axis names...]]`, as a list or a JSON string, or "auto"."""
@@ -93,6 +111,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
         sequence_parallel: bool | None = None,
         loss_parallel: bool = False,
         activation_checkpointing: int | str = "none",  # int first: from the CLI "2" must parse as every 2nd block
+        compile: bool | str = False,
         cpu_offload: bool = False,
         comm_precision: str | CommHook | None = None,
         profile_communication: bool = False,
@@ -116,6 +135,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
         self.sequence_parallel = sequence_parallel
         self.loss_parallel = loss_parallel
         self.activation_checkpointing = activation_checkpointing
+        self.compile = compile
         self.cpu_offload = cpu_offload
         self.meta_init = meta_init
 
@@ -127,6 +147,11 @@ class ParallelkitStrategy(ModelParallelStrategy):
                 f"reshard_after_forward={self.reshard_after_forward!r}: use 'default', 'always' or 'never'."
             )
         self.comm_hook = resolve_comm_hook(self.comm_precision)
+        if self.compile not in (True, False) and self.compile not in compile_backends():
+            raise ConfigError(
+                f"compile={self.compile!r}: use true (torch.compile's inductor), false (eager), or a torch.compile "
+                f"backend name: {', '.join(compile_backends())}."
+            )
 
     @override
     def _configure_launcher(self) -> None:
@@ -138,6 +163,12 @@ class ParallelkitStrategy(ModelParallelStrategy):
         self.mesh_spec = self.full_mesh_spec(MeshSpec.parse(shape).resolve(self.num_nodes, self.num_processes))
         if not isinstance(self.precision_plugin, ShardedPrecision):
             self.precision_plugin = ShardedPrecision(self.precision_plugin.precision)
+        if self.compile_backend() == "inductor" and self.root_device.type == "cpu" and not cpp_compiler():
+            rank_zero_warn(
+                "compile=true on the CPU needs a C++ compiler for inductor's kernels, and none was found (g++, c++, "
+                "clang++ or $CXX): training eager. Install one, or set compile: aot_eager to compile without it."
+            )
+            self.compile = False
         if self.cpu_offload and self.root_device.type == "cpu":
             raise ConfigError(
                 "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but this run already "
@@ -253,11 +284,16 @@ class ParallelkitStrategy(ModelParallelStrategy):
         with meta_parameters() if meta else nullcontext(), self.precision_plugin.tensor_init_context():
             yield
 
+    def compile_backend(self) -> str | None:
+        """The `torch.compile` backend each block is compiled with, or None (eager)."""
+        return "inductor" if self.compile is True else self.compile or None
+
     def parallelize_options(self) -> dict[str, Any]:
         """The inner-axis options every strategy passes to `plan.parallelize`."""
         return {
             **self.tp_options(),
             "activation_checkpointing": self.activation_checkpointing,
+            "compile": self.compile_backend(),
             "reshard_after_forward": self.reshard_after_forward,
             "param_dtype": self.precision_plugin.param_dtype,
             "comm_hook": self.comm_hook,
@@ -272,6 +308,14 @@ class ParallelkitStrategy(ModelParallelStrategy):
     def setup(self, trainer: Any) -> None:
         if self.profile_communication and not any(isinstance(c, CommunicationMonitor) for c in trainer.callbacks):
             trainer.callbacks.append(CommunicationMonitor())
+        monitors = [
+            type(c).__name__ for c in trainer.callbacks if isinstance(c, (RankMonitor, ActivationMemoryMonitor))
+        ]
+        if self.compile_backend() and monitors:
+            rank_zero_warn(
+                f"compile={self.compile!r}: {' and '.join(monitors)} count the activations saved for backward outside "
+                "the compiled blocks only (embedding, head, loss); the blocks' own are not seen."
+            )
         if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint())  # SIGTERM saves last.ckpt, then exits cleanly
         for logger in trainer.loggers:  # next to the model's hyperparameters, e.g. in a wandb run's config
@@ -332,8 +376,6 @@ class ParallelkitStrategy(ModelParallelStrategy):
             self._save_sharded(checkpoint, staging)
         else:
             if "optimizer_states" in checkpoint and self.extra_state():
-                from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
                 rank_zero_warn(
                     f"save_distributed_checkpoint=False: the single file holds the model and optimizers only, not "
                     f"{type(self).__name__}'s own state (extra_state), which a run resumed from it starts afresh. "

@@ -92,6 +92,8 @@ class PipelineStrategy(ParallelkitStrategy):
         sequence_parallel: Sequence parallelism inside the tp group (default: on when tp > 1).
         loss_parallel: Cross-entropy on vocab-sharded logits on the last stage (tp > 1 only).
         activation_checkpointing: "none", "full" or every n-th block.
+        compile: Compile each pipeline layer's block with `torch.compile` (true: inductor, or a backend name; see
+            FSDPTPStrategy). Not with the zero-bubble schedules, whose split backward torch cannot run compiled.
         comm_precision: How gradients are reduced: a comm hook name ("fp32" default, "bf16", "fp16", "int8", or
             one a plugin registers) or a `parallelkit.comm.CommHook`.
         profile_communication: Log every collective per optimizer step (count, bytes, time by kind) and print
@@ -120,6 +122,7 @@ class PipelineStrategy(ParallelkitStrategy):
         sequence_parallel: bool | None = None,
         loss_parallel: bool = False,
         activation_checkpointing: int | str = "none",  # int first: from the CLI "2" must parse as every 2nd block
+        compile: bool | str = False,
         comm_precision: str | CommHook | None = None,
         profile_communication: bool = False,
         timeout: float | timedelta = 1800.0,
@@ -133,6 +136,7 @@ class PipelineStrategy(ParallelkitStrategy):
             sequence_parallel=sequence_parallel,
             loss_parallel=loss_parallel,
             activation_checkpointing=activation_checkpointing,
+            compile=compile,
             comm_precision=comm_precision,
             profile_communication=profile_communication,
             timeout=timeout,
@@ -177,6 +181,12 @@ class PipelineStrategy(ParallelkitStrategy):
                 "gradients), so a checkpointed block would be recomputed twice, which torch's checkpoint cannot do "
                 "(it fails in the weight pass). Set activation_checkpointing='none', or checkpoint under "
                 "schedule='interleaved_1f1b' (or '1f1b')."
+            )
+        if self.schedule in ZERO_BUBBLE and self.compile:
+            raise ConfigError(
+                f"schedule={self.schedule!r} with compile={self.compile!r}: zero-bubble schedules split each block's "
+                "backward into input and weight gradients, which torch does not do for compiled code. Set "
+                "compile=false, or compile under schedule='interleaved_1f1b' (or '1f1b')."
             )
         if self._microbatches is not None and self._microbatches < 1:
             raise ConfigError(f"microbatches={self._microbatches}: use a positive number that divides data.batch_size.")
