@@ -3,13 +3,14 @@
     python benchmarks/strategies.py                   # [[2,1]] and [[1,2]] on 2 processes (CPU/gloo or GPUs)
     python benchmarks/strategies.py --layouts '[[4,1],["fsdp","tp"]]' --nproc 4 --repeats 7
 
-(a) `parallelkit`: `FSDPTPStrategy(mesh_shape=...)` applying the model's declared plan;
+(a) `parallelkit`: `FSDPTPStrategy(mesh_shape=...)` applying the model's declared plan, eager, and
+    `parallelkit_compile`: the same with `compile=True` (each block compiled with torch.compile's inductor);
 (b) `lightning`: Lightning's `ModelParallelStrategy` with a hand-written `configure_model` doing the same
     parallelize_module + fully_shard (the same reshard policy);
 (c) `raw`: a plain PyTorch loop with the same parallelisation, optimizer and loss logging, no Lightning (the floor).
 
 The variants take turns inside one job (a, b, c, then b, c, a, ...), so drift in the machine's speed hits all
-three alike. Step time is the wall time between the ends of consecutive optimizer steps (data loading and the
+alike. Step time is the wall time between the ends of consecutive optimizer steps (data loading and the
 loop included); the first `--warmup` steps of every run are dropped. Writes results/strategies.{json,png}.
 """
 
@@ -19,7 +20,6 @@ import argparse
 import json
 import os
 import statistics
-import time
 from pathlib import Path
 
 import lightning as L
@@ -37,7 +37,6 @@ from harness import (
     quiet_trainer,
     reset_peak_memory,
     summarise,
-    synchronize,
     write,
 )
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -50,36 +49,47 @@ from parallelkit.data.sampler import GlobalBatchSampler
 from parallelkit.mesh import MeshSpec
 from parallelkit.models import GPT
 
-VARIANTS = ("parallelkit", "lightning", "raw")
+VARIANTS = ("parallelkit", "parallelkit_compile", "lightning", "raw")
 
 
-def parallelize_by_hand(model: GPT, tp_mesh, dp_mesh) -> None:
+def parallelize_by_hand(model: GPT, tp_mesh, dp_mesh, sequence_parallel: bool = True) -> None:
     """What a Lightning ModelParallelStrategy user writes in configure_model for this GPT (and a raw loop
-    user before training): tensor parallel with sequence parallelism, then FSDP2 per block and the root."""
+    user before training), following torch's and Lightning's tensor-parallel examples: tensor parallel with
+    sequence parallelism (the attention's and MLP's input gathered once, `PrepareModuleInput`), then FSDP2 per
+    block and the root."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
+        PrepareModuleInput,
         RowwiseParallel,
         SequenceParallel,
         parallelize_module,
     )
 
     if tp_mesh.size() > 1:
+        stream = Shard(1) if sequence_parallel else Replicate()
         plan = {
-            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
-            "norm": SequenceParallel(),
-            "head": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+            "tok_emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
+            "head": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
         }
         for i in range(len(model.blocks)):
             plan |= {
-                f"blocks.{i}.attn_norm": SequenceParallel(),
-                f"blocks.{i}.mlp_norm": SequenceParallel(),
-                **{f"blocks.{i}.attn.{p}": ColwiseParallel(input_layouts=Shard(1)) for p in "qkv"},
-                f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=Shard(1)),
-                f"blocks.{i}.mlp.up": ColwiseParallel(input_layouts=Shard(1)),
-                f"blocks.{i}.mlp.down": RowwiseParallel(output_layouts=Shard(1)),
+                **{f"blocks.{i}.attn.{p}": ColwiseParallel() for p in "qkv"},
+                f"blocks.{i}.attn.proj": RowwiseParallel(output_layouts=stream),
+                f"blocks.{i}.mlp.up": ColwiseParallel(),
+                f"blocks.{i}.mlp.down": RowwiseParallel(output_layouts=stream),
             }
+            if sequence_parallel:
+                gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+                plan |= {
+                    f"blocks.{i}.attn_norm": SequenceParallel(),
+                    f"blocks.{i}.attn": gather,
+                    f"blocks.{i}.mlp_norm": SequenceParallel(),
+                    f"blocks.{i}.mlp": gather,
+                }
+        if sequence_parallel:
+            plan["norm"] = SequenceParallel()
         parallelize_module(model, tp_mesh, plan)
     for i, block in enumerate(model.blocks):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=i < len(model.blocks) - 1)
@@ -89,8 +99,13 @@ def parallelize_by_hand(model: GPT, tp_mesh, dp_mesh) -> None:
 class HandWrittenGPT(GPT):
     """The reference GPT as a Lightning ModelParallelStrategy user would parallelise it."""
 
+    def __init__(self, sequence_parallel: bool = True, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.sequence_parallel = sequence_parallel
+
     def configure_model(self) -> None:
-        parallelize_by_hand(self, self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"])
+        mesh = self.device_mesh
+        parallelize_by_hand(self, mesh["tensor_parallel"], mesh["data_parallel"], self.sequence_parallel)
 
 
 def model_kwargs(args: argparse.Namespace) -> dict:
@@ -104,25 +119,28 @@ def data(args: argparse.Namespace, dp: int) -> SyntheticDataModule:
     )
 
 
-def run_lightning(args: argparse.Namespace, spec: MeshSpec, variant: str) -> list[float]:
+def run_lightning(args: argparse.Namespace, spec: MeshSpec, variant: str) -> StepClock:
     L.seed_everything(0, verbose=False)
     clock = StepClock()
-    if variant == "parallelkit":
-        model, strategy = GPT(**model_kwargs(args)), parallelkit.FSDPTPStrategy(mesh_shape=str(spec))
+    if variant.startswith("parallelkit"):
+        model = GPT(**model_kwargs(args))
+        strategy = parallelkit.FSDPTPStrategy(
+            mesh_shape=str(spec), sequence_parallel=args.sequence_parallel == "on", compile=variant.endswith("compile")
+        )
     else:
-        model = HandWrittenGPT(**model_kwargs(args))
+        model = HandWrittenGPT(sequence_parallel=args.sequence_parallel == "on", **model_kwargs(args))
         strategy = ModelParallelStrategy(data_parallel_size=spec.dp_size, tensor_parallel_size=spec.size("tp"))
     quiet_trainer(strategy, args.warmup + args.steps, [clock]).fit(model, data(args, spec.dp_size))
-    return clock.times[args.warmup - 1 :]
+    return clock
 
 
-def run_raw(args: argparse.Namespace, spec: MeshSpec) -> list[float]:
+def run_raw(args: argparse.Namespace, spec: MeshSpec) -> StepClock:
     L.seed_everything(0, verbose=False)
     device = torch.device("cuda", int(os.environ["LOCAL_RANK"])) if accelerator() == "cuda" else torch.device("cpu")
     dp, tp = spec.dp_size, spec.size("tp")
     mesh = init_device_mesh(accelerator(), (dp, tp), mesh_dim_names=("dp", "tp"))
     model = GPT(**model_kwargs(args))
-    parallelize_by_hand(model, mesh["tp"], mesh["dp"])
+    parallelize_by_hand(model, mesh["tp"], mesh["dp"], args.sequence_parallel == "on")
     model.to(device)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -135,7 +153,7 @@ def run_raw(args: argparse.Namespace, spec: MeshSpec) -> list[float]:
     dp_rank = mesh["dp"].get_local_rank()
     sampler = GlobalBatchSampler(len(dm.train_set), dm.batch_size, dp, dp_rank, shuffle=True, seed=dm.seed)
     loader = DataLoader(dm.train_set, batch_size=dm.batch_size, sampler=sampler)
-    times, last = [], None
+    clock = StepClock()
     for _, (x, y) in zip(range(args.warmup + args.steps), loader):
         x, y = x.to(device), y.to(device)
         optimizer.zero_grad(set_to_none=True)
@@ -145,12 +163,8 @@ def run_raw(args: argparse.Namespace, spec: MeshSpec) -> list[float]:
         schedule.step()
         logged = loss.detach().clone()  # what Lightning's sync_dist logging does: the dp-mean loss
         dist.all_reduce(logged, group=mesh["dp"].get_group())
-        synchronize()
-        now = time.perf_counter()
-        if last is not None:
-            times.append(now - last)
-        last = now
-    return times[args.warmup - 1 :]
+        clock.tick()
+    return clock
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -159,22 +173,45 @@ def worker(args: argparse.Namespace) -> None:
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     spec = MeshSpec.parse(args.layout).resolve(1, dist.get_world_size())
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    rounds: list[dict[str, float]] = []  # per turn of all variants: each one's median step time
     memory: dict[str, float | None] = {}
     for rep in range(args.repeats):
-        for variant in VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]:
+        rounds.append({})
+        turn = rep % len(VARIANTS)
+        for variant in VARIANTS[turn:] + VARIANTS[:turn]:
             reset_peak_memory()
-            times[variant] += run_raw(args, spec) if variant == "raw" else run_lightning(args, spec, variant)
+            clock = run_raw(args, spec) if variant == "raw" else run_lightning(args, spec, variant)
+            times[variant] += clock.times[args.warmup - 1 :]
+            cpu[variant] += clock.cpu_times[args.warmup - 1 :]
+            rounds[-1][variant] = statistics.median(clock.times[args.warmup - 1 :])
             memory[variant] = peak_memory_mb()
             dist.barrier()
+    cpu_medians = torch.tensor([statistics.median(cpu[v]) for v in VARIANTS])
+    dist.all_reduce(cpu_medians)  # the job's CPU time per step: every process's, summed
     if dist.get_rank() == 0:
         tokens = args.global_batch * args.seq_len
         result = {
-            v: {**summarise(t), "tokens_per_s": tokens / statistics.median(t), "peak_mb": memory[v]}
-            for v, t in times.items()
+            v: {
+                **summarise(t),
+                "tokens_per_s": tokens / statistics.median(t),
+                "cpu_s": cpu_medians[i].item(),
+                "peak_mb": memory[v],
+            }
+            for i, (v, t) in enumerate(times.items())
         }
         result["ratios"] = {
-            "parallelkit/lightning": result["parallelkit"]["median_s"] / result["lightning"]["median_s"],
-            "parallelkit/raw": result["parallelkit"]["median_s"] / result["raw"]["median_s"],
+            f"parallelkit/{peer}": {
+                "median": result["parallelkit"]["median_s"] / result[peer]["median_s"],
+                "cpu": result["parallelkit"]["cpu_s"] / result[peer]["cpu_s"],
+                "per_round": [r["parallelkit"] / r[peer] for r in rounds],
+            }
+            for peer in ("lightning", "raw")
+        }
+        result["ratios"]["parallelkit_compile/lightning"] = {
+            "median": result["parallelkit_compile"]["median_s"] / result["lightning"]["median_s"],
+            "cpu": result["parallelkit_compile"]["cpu_s"] / result["lightning"]["cpu_s"],
+            "per_round": [r["parallelkit_compile"] / r["lightning"] for r in rounds],
         }
         Path(args.out).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -194,6 +231,7 @@ def main() -> None:
     parser.add_argument("--n-embd", type=int, default=256)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--sequence-parallel", choices=("on", "off"), default="on", help="with tp > 1 (default on)")
     args = parser.parse_args()
     if in_worker():
         worker(args)
@@ -201,7 +239,17 @@ def main() -> None:
     results = {"machine": machine(), "command": "python benchmarks/strategies.py", "args": vars(args), "layouts": {}}
     for layout in args.layouts:
         out = Path(f"/tmp/parallelkit-bench-{abs(hash(layout))}.json")
-        names = ("repeats", "steps", "warmup", "n_layer", "n_head", "n_embd", "seq_len", "global_batch")
+        names = (
+            "repeats",
+            "steps",
+            "warmup",
+            "n_layer",
+            "n_head",
+            "n_embd",
+            "seq_len",
+            "global_batch",
+            "sequence_parallel",
+        )
         launch(__file__, args.nproc, [f"--layout={layout}", *forward(args, names)], out)
         results["layouts"][layout] = json.loads(out.read_text())
     write("strategies", results)

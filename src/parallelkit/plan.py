@@ -100,20 +100,21 @@ def _gather_input_style() -> ParallelStyle:
     """
     import inspect
 
+    import torch
     from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ParallelStyle
 
     def gathered(x: Any, mesh: DeviceMesh) -> Any:
-        if not _plain_tensor(x):
-            return x
-        return DTensor.from_local(x, mesh, [Shard(1)], run_check=False).redistribute(mesh, [Replicate()])
+        if _plain_tensor(x):  # this rank's part of the stream (a sequence-parallel norm may hand a DTensor)
+            x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
+        return x.redistribute(mesh, [Replicate()]) if isinstance(x, DTensor) else x
 
     class _GatherInput(ParallelStyle):
         def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
             first = next(iter(inspect.signature(module.forward).parameters), None)
 
             def gather(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-                index = next((i for i, x in enumerate(args) if _plain_tensor(x)), None)
+                index = next((i for i, x in enumerate(args) if isinstance(x, torch.Tensor)), None)
                 if index is not None:
                     args = (*args[:index], gathered(args[index], device_mesh), *args[index + 1 :])
                 elif first in kwargs:
