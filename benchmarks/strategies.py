@@ -11,7 +11,8 @@
 
 The variants take turns inside one job (a, b, c, then b, c, a, ...), so drift in the machine's speed hits all
 alike. Step time is the wall time between the ends of consecutive optimizer steps (data loading and the
-loop included); the first `--warmup` steps of every run are dropped. Writes results/strategies.{json,png}.
+loop included); the first `--warmup` steps of every run are dropped. Writes results/strategies.{json,png}
+(results/strategies_sp_off.* with `--sequence-parallel off`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import statistics
+import sys
 from pathlib import Path
 
 import lightning as L
@@ -236,7 +238,8 @@ def main() -> None:
     if in_worker():
         worker(args)
         return
-    results = {"machine": machine(), "command": "python benchmarks/strategies.py", "args": vars(args), "layouts": {}}
+    command = " ".join(["python benchmarks/strategies.py", *sys.argv[1:]])
+    results = {"machine": machine(), "command": command, "args": vars(args), "layouts": {}}
     for layout in args.layouts:
         out = Path(f"/tmp/parallelkit-bench-{abs(hash(layout))}.json")
         names = (
@@ -252,9 +255,10 @@ def main() -> None:
         )
         launch(__file__, args.nproc, [f"--layout={layout}", *forward(args, names)], out)
         results["layouts"][layout] = json.loads(out.read_text())
-    write("strategies", results)
+    name = "strategies" if args.sequence_parallel == "on" else "strategies_sp_off"
+    write(name, results)
     chart(
-        "strategies",
+        name,
         f"median step time, GPT {args.n_layer}x{args.n_embd}, {args.nproc} processes ({results['machine']['cpu']})",
         {layout: {v: r[v]["median_s"] * 1000 for v in VARIANTS} for layout, r in results["layouts"].items()},
         "ms per step",

@@ -33,16 +33,15 @@ def reference_model() -> GPT:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus):
-    """[[4, 1]] runs under fp32, fp16 and int8 for 20 steps and fp32 for 50; bf16 for 50 (held to fp32 longer) under
-    HSDP [[2, 2]] (replicate x fsdp), which reduce-scatters the same full gradient and all-reduces its shard over
-    replicate too; int8 under HSDP for 3 steps."""
+    """[[4, 1]] runs under fp32, fp16 and int8 for 20 steps; bf16 for 20 under HSDP [[2, 2]] (replicate x fsdp),
+    which reduce-scatters the same full gradient and all-reduces its shard over replicate too (fp32 under HSDP gives
+    [[4, 1]]'s losses within ~1e-6); int8 under HSDP for 3 steps."""
     root = tmp_path_factory.mktemp("comm")
     for name, hook, steps, layout in (
         ("fp32_20", "fp32", 20, FSDP4),
         ("fp16_20", "fp16", 20, FSDP4),
         ("int8_20", "int8", 20, FSDP4),
-        ("fp32_50", "fp32", 50, FSDP4),
-        ("bf16_hsdp_50", "bf16", 50, HSDP),
+        ("bf16_hsdp_20", "bf16", 20, HSDP),
         ("int8_hsdp_3", "int8", 3, HSDP),
     ):
         assert_ok(
@@ -65,7 +64,6 @@ def test_fp32_gradient_bytes_equal_four_bytes_per_parameter_per_step(runs):
     assert set(per_step.values()) == {4.0 * params}
 
 
-@pytest.mark.parametrize(("half", "full"), [("bf16_hsdp_50", "fp32_50"), ("fp16_20", "fp32_20")])
 def test_each_unit_is_gathered_once_in_forward_and_again_in_backward_only_if_resharded(runs):
     """All-gathered bytes per step on [[4, 1]]: every unit once in forward, and in backward again every block but
     the last (default reshard: the last block and the root keep their parameters for backward). The root, whose
@@ -80,6 +78,7 @@ def test_each_unit_is_gathered_once_in_forward_and_again_in_backward_only_if_res
     assert all(0 <= value - fsdp < 1024 for value in gathered.values()), (fsdp, gathered)
 
 
+@pytest.mark.parametrize(("half", "full"), [("bf16_hsdp_20", "fp32_20"), ("fp16_20", "fp32_20")])
 def test_half_precision_hooks_halve_gradient_bytes(runs, half, full):
     full_bytes = step_losses(runs / full, "comm/reduce_scatter_bytes")
     half_bytes = step_losses(runs / half, "comm/reduce_scatter_bytes")
@@ -106,8 +105,8 @@ def test_int8_hook_sends_a_quarter_of_the_bytes_and_still_trains(runs):
     assert max(abs(losses[s] - exact[s]) for s in exact) > 1e-4  # the hook is applied (measured: 1e-2 apart)
 
 
-def test_bf16_hook_stays_within_2_percent_of_fp32_over_50_steps(runs):
-    exact, bf16 = step_losses(runs / "fp32_50"), step_losses(runs / "bf16_hsdp_50")
+def test_bf16_hook_stays_within_2_percent_of_fp32(runs):
+    exact, bf16 = step_losses(runs / "fp32_20"), step_losses(runs / "bf16_hsdp_20")
     assert_same_losses(exact, bf16, rtol=0.02)
     # The hook is applied: not fp32's losses (measured: 5.7e-4 apart at most; fp32 under HSDP is within ~1e-6).
     assert max(abs(bf16[s] - exact[s]) for s in exact) > 1e-5
@@ -130,9 +129,9 @@ def test_hsdp_replicate_all_reduce_is_in_the_hooks_dtype_and_stays_fp32_under_in
     params = sum(p.numel() for p in reference_model().parameters())
     groups = len(fsdp_units(reference_model())) + 1  # one buffer per FSDP module: the blocks and the root
     shard = params // 2
-    for name in ("bf16_hsdp_50", "int8_hsdp_3"):
+    for name in ("bf16_hsdp_20", "int8_hsdp_3"):
         assert set(step_losses(runs / name, "comm/all_reduce_count").values()) == {groups + 1.0}
-    bf16 = step_losses(runs / "bf16_hsdp_50", "comm/all_reduce_bytes")
+    bf16 = step_losses(runs / "bf16_hsdp_20", "comm/all_reduce_bytes")
     int8 = step_losses(runs / "int8_hsdp_3", "comm/all_reduce_bytes")
     assert set(bf16.values()) == {2.0 * shard + 4}
     assert set(int8.values()) == {4.0 * shard + 4}
@@ -140,7 +139,7 @@ def test_hsdp_replicate_all_reduce_is_in_the_hooks_dtype_and_stays_fp32_under_in
     assert "comm/reduce_scatter_bytes" not in next((runs / "int8_hsdp_3").rglob("metrics.csv")).read_text()
     # Both train: the first steps as fp32's within the hooks' tolerance.
     exact = step_losses(runs / "fp32_20")
-    for name in ("bf16_hsdp_50", "int8_hsdp_3"):
+    for name in ("bf16_hsdp_20", "int8_hsdp_3"):
         losses = step_losses(runs / name)
         assert_same_losses({s: exact[s] for s in range(3)}, {s: losses[s] for s in range(3)}, rtol=0.02)
 

@@ -373,3 +373,21 @@ def test_attention_and_mlp_gather_their_sequence_sharded_input_once_for_all_thei
     for kind in ("all_gather", "reduce_scatter"):
         fewer = {s: counts["GPTGatheringPerProjection"][kind][s] - counts["GPT"][kind][s] for s in range(3)}
         assert set(fewer.values()) == {2.0 * 2}, (kind, counts)
+
+
+def test_compile_backend_is_checked_and_inductor_without_a_cpp_compiler_trains_eager(monkeypatch):
+    """A backend torch.compile does not know is refused before launch, naming the known ones; inductor on the CPU
+    without a C++ compiler warns and trains eager instead of failing in the first step."""
+    import lightning as L
+
+    from parallelkit import FSDPTPStrategy
+    from parallelkit.errors import ConfigError
+    from parallelkit.strategies import base
+
+    with pytest.raises(ConfigError, match=r"compile='nonsense'.*aot_eager.*inductor"):
+        FSDPTPStrategy(compile="nonsense").check_options()
+    monkeypatch.setattr(base, "cpp_compiler", lambda: None)
+    strategy = FSDPTPStrategy(mesh_shape=[[1], ["fsdp"]], compile=True)
+    with pytest.warns(UserWarning, match=r"needs a C\+\+ compiler.*training eager"):
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
+    assert strategy.compile_backend() is None

@@ -142,14 +142,17 @@ def test_accumulation_reduces_each_stages_gradients_once_per_optimizer_step(tmp_
 
 def test_zero_bubble_schedules_refuse_what_they_cannot_run():
     """Before any process starts: torch's checkpoint cannot recompute a block in both halves of a split backward,
-    and V-shaped schedules hold exactly 2 stages per rank."""
+    nor can compiled code run them, and V-shaped schedules hold exactly 2 stages per rank."""
     with pytest.raises(ConfigError, match="schedule='zbv' with activation_checkpointing='full'.*recomputed twice"):
         PipelineStrategy(schedule="zbv", activation_checkpointing="full").check_options()
     with pytest.raises(ConfigError, match="schedule='interleaved_zero_bubble' with activation_checkpointing=2"):
         PipelineStrategy(schedule="interleaved_zero_bubble", activation_checkpointing=2).check_options()
     with pytest.raises(ConfigError, match="stages_per_rank=3 with schedule='dualpipev'.*exactly 2 stages per rank"):
         PipelineStrategy(schedule="dualpipev", stages_per_rank=3).check_options()
+    with pytest.raises(ConfigError, match="schedule='dualpipev' with compile=True.*compile=false"):
+        PipelineStrategy(schedule="dualpipev", compile=True).check_options()
     PipelineStrategy(schedule="interleaved_zero_bubble", stages_per_rank=3).check_options()
+    PipelineStrategy(schedule="interleaved_1f1b", compile=True).check_options()
 
 
 def test_pipelined_validation_gives_the_single_process_val_loss(tmp_path, corpus, baseline):
