@@ -132,6 +132,32 @@ def summarise(times: Sequence[float]) -> dict[str, float]:
     return {"median_s": median, "q1_s": q1, "q3_s": q3, "iqr_s": q3 - q1, "steps": len(times)}
 
 
+def compare(
+    times: dict[str, list[float]],
+    cpu_s: dict[str, float],
+    rounds: list[dict[str, float]],
+    memory: dict[str, float | None],
+    tokens: int,
+    pairs: Sequence[tuple[str, str]],
+) -> dict[str, Any]:
+    """Each variant's step times summarised, with tokens/s, CPU time per step (`cpu_s`) and peak memory, and for each
+    pair (a, b) of `pairs` the ratios a / b of the median step times, of the CPU times and of each round's medians
+    (`rounds`: per turn of all variants, each one's median step time)."""
+    result: dict[str, Any] = {
+        v: {**summarise(t), "tokens_per_s": tokens / statistics.median(t), "cpu_s": cpu_s[v], "peak_mb": memory[v]}
+        for v, t in times.items()
+    }
+    result["ratios"] = {
+        f"{a}/{b}": {
+            "median": result[a]["median_s"] / result[b]["median_s"],
+            "cpu": result[a]["cpu_s"] / result[b]["cpu_s"],
+            "per_round": [r[a] / r[b] for r in rounds],
+        }
+        for a, b in pairs
+    }
+    return result
+
+
 def peak_memory_mb() -> float | None:
     """Peak allocated accelerator memory since the last reset (None on CPU, where no allocator records one)."""
     if not torch.cuda.is_available():

@@ -39,7 +39,6 @@ import math
 import os
 import statistics
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
@@ -48,8 +47,10 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from harness import (
+    StepClock,
     accelerator,
     chart,
+    compare,
     forward,
     in_worker,
     launch,
@@ -57,8 +58,6 @@ from harness import (
     peak_memory_mb,
     quiet_trainer,
     reset_peak_memory,
-    summarise,
-    synchronize,
     write,
 )
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -108,24 +107,17 @@ def data(args: argparse.Namespace, dp: int) -> SyntheticDataModule:
     )
 
 
-class StepRecorder(L.Callback):
-    """At the end of every optimizer step: this rank's loss, then (as `harness.StepClock`) the wall time since the
-    previous step's end, and this process's CPU time in it. The accelerate loop calls `step_end` itself."""
+class StepRecorder(StepClock):
+    """`harness.StepClock` that also records this rank's loss at the end of every optimizer step. The accelerate loop
+    calls `step_end` itself."""
 
     def __init__(self) -> None:
-        self.times: list[float] = []
-        self.cpu_times: list[float] = []
+        super().__init__()
         self.losses: list[float] = []
-        self._last: tuple[float, float] | None = None
 
     def step_end(self, loss: torch.Tensor) -> None:
         self.losses.append(loss.item())
-        synchronize()
-        now = (time.perf_counter(), time.process_time())
-        if self._last is not None:
-            self.times.append(now[0] - self._last[0])
-            self.cpu_times.append(now[1] - self._last[1])
-        self._last = now
+        self.tick()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, *args: Any) -> None:
         self.step_end(outputs["loss"])
@@ -258,24 +250,9 @@ def worker(args: argparse.Namespace) -> None:
     dist.all_reduce(cpu_medians)  # the job's CPU time per step: every process's, summed
     losses = {v: rank_mean(losses[v]) for v in VARIANTS}
     if dist.get_rank() == 0:
-        tokens = args.global_batch * args.seq_len
-        result: dict[str, Any] = {
-            v: {
-                **summarise(t),
-                "tokens_per_s": tokens / statistics.median(t),
-                "cpu_s": cpu_medians[i].item(),
-                "peak_mb": memory[v],
-            }
-            for i, (v, t) in enumerate(times.items())
-        }
-        result["ratios"] = {
-            f"parallelkit/{peer}": {
-                "median": result["parallelkit"]["median_s"] / result[peer]["median_s"],
-                "cpu": result["parallelkit"]["cpu_s"] / result[peer]["cpu_s"],
-                "per_round": [r["parallelkit"] / r[peer] for r in rounds],
-            }
-            for peer in ("accelerate", "lightning")
-        }
+        pairs = [("parallelkit", "accelerate"), ("parallelkit", "lightning")]
+        cpu_s = dict(zip(VARIANTS, cpu_medians.tolist()))
+        result = compare(times, cpu_s, rounds, memory, args.global_batch * args.seq_len, pairs)
         reference = losses["parallelkit"]
         result["losses"] = {
             "per_step": losses,

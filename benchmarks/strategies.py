@@ -31,6 +31,7 @@ from harness import (
     StepClock,
     accelerator,
     chart,
+    compare,
     forward,
     in_worker,
     launch,
@@ -38,7 +39,6 @@ from harness import (
     peak_memory_mb,
     quiet_trainer,
     reset_peak_memory,
-    summarise,
     write,
 )
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -192,29 +192,9 @@ def worker(args: argparse.Namespace) -> None:
     cpu_medians = torch.tensor([statistics.median(cpu[v]) for v in VARIANTS])
     dist.all_reduce(cpu_medians)  # the job's CPU time per step: every process's, summed
     if dist.get_rank() == 0:
-        tokens = args.global_batch * args.seq_len
-        result = {
-            v: {
-                **summarise(t),
-                "tokens_per_s": tokens / statistics.median(t),
-                "cpu_s": cpu_medians[i].item(),
-                "peak_mb": memory[v],
-            }
-            for i, (v, t) in enumerate(times.items())
-        }
-        result["ratios"] = {
-            f"parallelkit/{peer}": {
-                "median": result["parallelkit"]["median_s"] / result[peer]["median_s"],
-                "cpu": result["parallelkit"]["cpu_s"] / result[peer]["cpu_s"],
-                "per_round": [r["parallelkit"] / r[peer] for r in rounds],
-            }
-            for peer in ("lightning", "raw")
-        }
-        result["ratios"]["parallelkit_compile/lightning"] = {
-            "median": result["parallelkit_compile"]["median_s"] / result["lightning"]["median_s"],
-            "cpu": result["parallelkit_compile"]["cpu_s"] / result["lightning"]["cpu_s"],
-            "per_round": [r["parallelkit_compile"] / r["lightning"] for r in rounds],
-        }
+        pairs = [("parallelkit", "lightning"), ("parallelkit", "raw"), ("parallelkit_compile", "lightning")]
+        cpu_s = dict(zip(VARIANTS, cpu_medians.tolist()))
+        result = compare(times, cpu_s, rounds, memory, args.global_batch * args.seq_len, pairs)
         Path(args.out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
