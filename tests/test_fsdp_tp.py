@@ -376,8 +376,9 @@ def test_attention_and_mlp_gather_their_sequence_sharded_input_once_for_all_thei
 
 
 def test_compile_backend_is_checked_and_inductor_without_a_cpp_compiler_trains_eager(monkeypatch):
-    """A backend torch.compile does not know is refused before launch, naming the known ones; inductor on the CPU
-    without a C++ compiler warns and trains eager instead of failing in the first step."""
+    """A backend torch.compile does not know is refused before launch, naming the known ones, and so is compile with
+    activation checkpointing under tensor parallelism (which torch cannot trace); inductor on the CPU without a C++
+    compiler warns and trains eager instead of failing in the first step."""
     import lightning as L
 
     from parallelkit import FSDPTPStrategy
@@ -386,8 +387,50 @@ def test_compile_backend_is_checked_and_inductor_without_a_cpp_compiler_trains_e
 
     with pytest.raises(ConfigError, match=r"compile='nonsense'.*aot_eager.*inductor"):
         FSDPTPStrategy(compile="nonsense").check_options()
+    checkpointed_tp = FSDPTPStrategy(mesh_shape=[[1, 2], ["fsdp", "tp"]], compile=True, activation_checkpointing=2)
+    with pytest.raises(ConfigError, match=r"compile=True with activation_checkpointing=2 on a tp axis of 2"):
+        L.Trainer(strategy=checkpointed_tp, accelerator="cpu", devices=2, logger=False)
     monkeypatch.setattr(base, "cpp_compiler", lambda: None)
     strategy = FSDPTPStrategy(mesh_shape=[[1], ["fsdp"]], compile=True)
     with pytest.warns(UserWarning, match=r"needs a C\+\+ compiler.*training eager"):
         L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
     assert strategy.compile_backend() is None
+
+
+def test_a_compiled_block_that_is_checkpointed_recomputes_its_forward_in_backward():
+    """compile with activation checkpointing: the checkpoint is traced inside the compiled block (one hooked around
+    it would be bypassed), so backward runs forward matmuls again: 6 linear layers, 12 matmuls in a plain backward
+    (two per layer), more with the recompute (the forward matmuls whose outputs backward needs: 17 measured).
+    Gradients are the eager block's either way."""
+    from parallelkit.compat import dispatch_mode_class
+    from parallelkit.models.gpt import Block
+    from parallelkit.plan import apply_compile
+
+    class CountMatmuls(dispatch_mode_class()):
+        supports_higher_order_operators = True  # the recompute replays random ops under run_with_rng_state
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += getattr(func, "overloadpacket", None) in (torch.ops.aten.mm, torch.ops.aten.addmm)
+            return func(*args, **(kwargs or {}))
+
+    def run(compiled: bool, checkpointed: bool) -> tuple[int, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        block = Block(64, 4, 4)
+        if compiled:
+            apply_compile([block], "aot_eager", [block] if checkpointed else [])
+        x = torch.randn(2, 16, 64)
+        loss = block(x).square().mean()
+        with CountMatmuls() as counter:
+            loss.backward()
+        return counter.count, [p.grad for p in block.parameters()]
+
+    _, eager = run(False, False)
+    plain, plain_grads = run(True, False)
+    recomputed, recomputed_grads = run(True, True)
+    assert plain == 12 and recomputed > plain, (plain, recomputed)
+    for expected, got in zip(eager, plain_grads + recomputed_grads):
+        torch.testing.assert_close(got, expected)

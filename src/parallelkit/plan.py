@@ -7,7 +7,7 @@ one of `STYLES` or a torch `ParallelStyle` instance, used as given.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
@@ -341,15 +341,14 @@ def runnable_unit(model: nn.Module, fqn: str, module: nn.Module) -> Unit:
     return [child for _, child in children]
 
 
-def apply_activation_checkpointing(units: list[Unit], policy: str | int) -> None:
-    """Recompute activations in backward for the model's blocks (its fsdp units).
+def checkpointed_modules(units: list[Unit], policy: str | int) -> list[nn.Module]:
+    """The modules activation checkpointing recomputes in backward: the model's blocks (its fsdp units).
 
     `policy`: "none", "full" (every block) or an int n (every n-th block: a memory/compute trade-off).
-    Uses torch's composable checkpoint so parameter names (FQNs), and so checkpoints, stay unchanged.
     """
     match policy:
         case "none" | 0:
-            return
+            return []
         case "full":
             every = 1
         case int() if policy > 0:
@@ -359,32 +358,46 @@ def apply_activation_checkpointing(units: list[Unit], policy: str | int) -> None
                 f"activation_checkpointing={policy!r}: use 'none', 'full', or a positive int n to checkpoint "
                 "every n-th block."
             )
-    for index, unit in enumerate(units):
-        if index % every == 0:
-            for module in unit if isinstance(unit, list) else [unit]:
-                composable_checkpoint(module)
+    return [
+        module
+        for index, unit in enumerate(units)
+        if index % every == 0
+        for module in (unit if isinstance(unit, list) else [unit])
+    ]
 
 
-def apply_compile(units: list[Unit], backend: str | None) -> None:
-    """Compile each block's `forward` with `torch.compile(backend=backend)` (None: leave them eager).
+def apply_activation_checkpointing(units: list[Unit], policy: str | int) -> None:
+    """Recompute activations in backward for the blocks `checkpointed_modules` picks, with torch's composable
+    checkpoint, so parameter names (FQNs), and so checkpoints, stay unchanged."""
+    for module in checkpointed_modules(units, policy):
+        composable_checkpoint(module)
+
+
+def apply_compile(units: list[Unit], backend: str, checkpointed: Sequence[nn.Module] = ()) -> None:
+    """Compile each block's `forward` with `torch.compile(backend=backend)`; those in `checkpointed` recompute their
+    activations in backward, by `torch.utils.checkpoint` inside the compiled code.
 
     Per block, as the field's reference trainers do: blocks repeat, so one compilation serves them all, and the
     embedding, head and loss stay eager. Only `forward` is compiled, not the module's call: the hooks of tensor
-    parallel's children run inside the compiled code, while those on the block itself (FSDP's gathers, activation
-    checkpointing) stay outside it, and parameter names, so checkpoints, are those of the eager model.
-
-    A compiled block runs under saved-tensor hooks that keep each tensor as it is: torch 2.13's dynamo traces the
-    hooks active when it compiles (e.g. the activation monitors' ledger) and fails on FSDP's DTensor parameters;
-    so activation monitors do not see what compiled blocks save for backward.
+    parallel's children run inside the compiled code, while those on the block itself (FSDP's gathers) stay outside
+    it, and parameter names, so checkpoints, are those of the eager model. Checkpointing is traced with the block,
+    not hooked around it: the compiled code runs under saved-tensor hooks that keep each tensor as it is, which would
+    bypass a checkpoint's hooks set outside. Those identity hooks are there because torch 2.13's dynamo traces the
+    saved-tensor hooks active when it compiles (e.g. the activation monitors' ledger) and fails on FSDP's DTensor
+    parameters; so activation monitors do not see what compiled blocks save for backward.
     """
-    if backend is None:
-        return
+    import functools
+
     import torch
+    from torch.utils.checkpoint import checkpoint
 
     from parallelkit.compat import settle_async_collectives
 
     def compiled_forward(module: nn.Module) -> Any:
-        compiled = torch.compile(module.forward, backend=backend)
+        run = module.forward
+        if any(module is m for m in checkpointed):
+            run = functools.partial(checkpoint, module.forward, use_reentrant=False)
+        compiled = torch.compile(run, backend=backend)
 
         def forward(*args: Any, **kwargs: Any) -> Any:
             args, kwargs = settle_async_collectives((args, kwargs))
@@ -487,8 +500,10 @@ def parallelize(
     dp_mesh = data_parallel_mesh(mesh)
     hsdp = all(axis in names for axis in ("replicate", "fsdp"))
     for root, root_units in roots:
-        apply_activation_checkpointing(root_units, activation_checkpointing)
-        apply_compile(root_units, compile)
+        if compile is None:
+            apply_activation_checkpointing(root_units, activation_checkpointing)
+        else:
+            apply_compile(root_units, compile, checkpointed_modules(root_units, activation_checkpointing))
         if dp_mesh is not None:
             apply_fsdp(
                 root,

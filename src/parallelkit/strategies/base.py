@@ -169,6 +169,14 @@ class ParallelkitStrategy(ModelParallelStrategy):
                 "clang++ or $CXX): training eager. Install one, or set compile: aot_eager to compile without it."
             )
             self.compile = False
+        tp = self.mesh_spec.size("tp")
+        if self.compile_backend() and self.activation_checkpointing not in ("none", 0) and tp > 1:
+            raise ConfigError(
+                f"compile={self.compile!r} with activation_checkpointing={self.activation_checkpointing!r} on a tp "
+                f"axis of {tp}: a compiled block recomputes its activations with torch.utils.checkpoint traced inside "
+                "it, which torch 2.13 cannot do for tensor-parallel blocks (it saves their device mesh). Set "
+                "activation_checkpointing='none', compile=false, or use a mesh without tp."
+            )
         if self.cpu_offload and self.root_device.type == "cpu":
             raise ConfigError(
                 "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but this run already "

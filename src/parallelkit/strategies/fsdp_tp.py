@@ -37,8 +37,9 @@ class FSDPTPStrategy(ParallelkitStrategy):
             n-th block).
         compile: Compile each block (each fsdp unit) with `torch.compile`: true (inductor; on the CPU it needs a
             C++ compiler, else a warning and eager), false (eager, the default), or a backend name (e.g.
-            "aot_eager"). Applied after tensor parallelism and activation checkpointing, before FSDP; parameter
-            names are unchanged, so compiled and eager runs load each other's checkpoints.
+            "aot_eager"). Applied after tensor parallelism and activation checkpointing (traced inside each compiled
+            block; not with tp > 1), before FSDP; parameter names are unchanged, so compiled and eager runs load
+            each other's checkpoints.
         cpu_offload: Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP2; GPU runs).
         comm_precision: How gradients are reduced: a comm hook name ("fp32" default, "bf16", "fp16", "int8", or
             one a plugin registers) or a `parallelkit.comm.CommHook`.
