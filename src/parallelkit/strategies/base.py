@@ -169,6 +169,16 @@ class ParallelkitStrategy(ModelParallelStrategy):
                 "clang++ or $CXX): training eager. Install one, or set compile: aot_eager to compile without it."
             )
             self.compile = False
+        if self.cpu_offload and self.root_device.type == "cpu":
+            raise ConfigError(
+                "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but this run already "
+                "trains on the CPU. Set cpu_offload=False, or train on GPUs."
+            )
+        self.check_mesh_options()
+        super()._configure_launcher()
+
+    def check_mesh_options(self) -> None:
+        """Options that depend on the mesh: checked before launch, and again if `mesh_shape="auto"` is planned."""
         tp = self.mesh_spec.size("tp")
         if self.compile_backend() and self.activation_checkpointing not in ("none", 0) and tp > 1:
             raise ConfigError(
@@ -177,17 +187,11 @@ class ParallelkitStrategy(ModelParallelStrategy):
                 "it, which torch 2.13 cannot do for tensor-parallel blocks (it saves their device mesh). Set "
                 "activation_checkpointing='none', compile=false, or use a mesh without tp."
             )
-        if self.cpu_offload and self.root_device.type == "cpu":
-            raise ConfigError(
-                "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but this run already "
-                "trains on the CPU. Set cpu_offload=False, or train on GPUs."
-            )
-        if self.loss_parallel and self.mesh_spec.size("tp") == 1:
+        if self.loss_parallel and tp == 1:
             raise ConfigError(
                 f"loss_parallel=True needs a tp axis larger than 1, but mesh_shape is {self.mesh_spec}. "
                 "Set loss_parallel=False or add tp to the mesh."
             )
-        super()._configure_launcher()
 
     def check_model(self, model: Any) -> None:
         """Refuse a model this layout cannot split (e.g. tp not dividing its key/value heads) with a `PlanError`.
@@ -250,6 +254,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
             planned = self.planned_mesh()
             if planned is not None:
                 self.mesh_spec = self.full_mesh_spec(planned.resolve(self.num_nodes, self.num_processes))
+                self.check_mesh_options()
         # The escape hatch: a model that overrides configure_model() parallelises itself with this mesh.
         set_device_mesh(self, self.mesh_spec.build(self.root_device.type))
 
