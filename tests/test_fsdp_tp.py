@@ -432,3 +432,14 @@ def test_a_compiled_block_that_is_checkpointed_recomputes_its_forward_in_backwar
     assert plain == 12 and recomputed > plain, (plain, recomputed)
     for expected, got in zip(eager, plain_grads + recomputed_grads):
         torch.testing.assert_close(got, expected)
+
+
+def test_loss_parallel_without_a_tp_axis_is_refused_before_launch():
+    import lightning as L
+
+    from parallelkit import FSDPTPStrategy
+    from parallelkit.errors import ConfigError
+
+    strategy = FSDPTPStrategy(mesh_shape=[[2, 1], ["fsdp", "tp"]], loss_parallel=True)
+    with pytest.raises(ConfigError, match=r"loss_parallel=True needs a tp axis larger than 1"):
+        L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False)
