@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -111,11 +111,14 @@ def model_class_name(model: nn.Module) -> str:
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
-def check_compatible(model: nn.Module, ckpt: Path, saved: Mapping[str, Any] | None = None) -> None:
+def check_compatible(
+    model: nn.Module, ckpt: Path, saved: Mapping[str, Any] | None = None, names: Iterable[str] | None = None
+) -> None:
     """Raise a CheckpointError naming every parameter whose shape differs or that the checkpoint lacks.
 
     `saved`: the model tensors of a single-file checkpoint (its "state_dict"); without it, `ckpt` is a sharded
-    checkpoint directory and its metadata is read.
+    checkpoint directory and its metadata is read. `names`: the state-dict keys the checkpoint must hold (None:
+    every one of the model's; a LoRA run's checkpoints hold its adapters only).
     """
     if saved is None:
         meta = read_metadata(ckpt).state_dict_metadata.items()
@@ -123,7 +126,10 @@ def check_compatible(model: nn.Module, ckpt: Path, saved: Mapping[str, Any] | No
     else:
         shapes = {k: getattr(v, "shape", None) for k, v in saved.items()}
     problems = []
+    wanted = None if names is None else set(names)
     for name, tensor in model.state_dict().items():
+        if wanted is not None and name not in wanted:
+            continue
         if name not in shapes:
             problems.append(f"{name} is missing")
         elif shapes[name] is not None and tuple(shapes[name]) != tuple(tensor.shape):

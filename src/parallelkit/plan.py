@@ -216,22 +216,25 @@ def tensor_parallel_plan(
             "globs to styles, e.g. {'blocks.*.attn.q': 'colwise', 'blocks.*.attn.proj': 'rowwise'}. "
             f"Styles: {', '.join(STYLES)}. Or use a mesh without a tp axis."
         )
+    from parallelkit.lora import LoRALinear, adapted_style
+
     plan: dict[str, ParallelStyle] = {}
     gathering = gathered_inside(model, contract)
     for pattern, style in declared.items():
         for fqn, module in select(model, [pattern], "tp_plan"):
             if isinstance(style, ParallelStyle):
-                plan[fqn] = style
-                continue
-            _check_divisible(model, fqn, module, style, tp)
-            resolved = tp_style(
-                style,
-                sequence_parallel=sequence_parallel,
-                loss_parallel=loss_parallel,
-                input_gathered=fqn in gathering,
-            )
+                resolved = style
+            else:
+                _check_divisible(model, fqn, module, style, tp)
+                resolved = tp_style(
+                    style,
+                    sequence_parallel=sequence_parallel,
+                    loss_parallel=loss_parallel,
+                    input_gathered=fqn in gathering,
+                )
             if resolved is not None:
-                plan[fqn] = resolved
+                # A layer with LoRA adapters: they are split as the layer is (no collective of their own).
+                plan[fqn] = adapted_style(resolved) if isinstance(module, LoRALinear) else resolved
     _check_divisors(contract, tp)  # after the sizes of split weights, which name the module
     return plan
 
@@ -276,17 +279,21 @@ def apply_tensor_parallel(
 ) -> nn.Module:
     """Shard `model` in place over the 1-D `tp_mesh` following its plan.
 
-    Tied weights (an input embedding shared with the output head) stay tied: torch's styles replace each module's
+    Frozen parameters stay frozen (a LoRA model's base weights). Tied weights (an input embedding shared with the
+    output head) stay tied: torch's styles replace each module's
     parameters on their own, so the first name's sharded parameter is put back under the others. Their styles
     must shard them alike (vocab_embedding and vocab_head both split the vocabulary rows).
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
     tied = tied_parameters(model)
+    frozen = [name for name, param in model.named_parameters() if not param.requires_grad]
     plan = tensor_parallel_plan(
         model, tp_mesh.size(), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel, contract=contract
     )
     parallelize_module(model, tp_mesh, plan)
+    for name in frozen:  # torch's SequenceParallel makes new parameters trainable whatever the old ones were
+        model.get_parameter(name).requires_grad_(False)
     for first, *others in tied:
         placements = {name: getattr(model.get_parameter(name), "placements", None) for name in (first, *others)}
         if len(set(placements.values())) > 1:

@@ -16,6 +16,7 @@ from torch import nn
 from typing_extensions import override
 
 from parallelkit.errors import ConfigError
+from parallelkit.lora import LoRA, add_adapters, as_lora, config_dict
 from parallelkit.models.lm import CausalLM
 
 
@@ -86,6 +87,8 @@ class GPT(CausalLM):
         warmup_steps: Optimizer steps of linear warmup from 0 to `lr`.
         min_lr_ratio: The cosine decay ends at `lr * min_lr_ratio` on the run's last step.
         init_std: Standard deviation of the normal initialisation of weights.
+        lora: Low-rank adapters (`parallelkit.lora.LoRA`: rank, alpha, dropout, targets) on the targeted linear
+            layers, every other parameter frozen. None: the whole model trains.
     """
 
     # The parallel contract (DESIGN.md): globs over module names -> how each is split.
@@ -120,6 +123,7 @@ class GPT(CausalLM):
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
         init_std: float = 0.02,
+        lora: LoRA | None = None,
     ) -> None:
         super().__init__()
         if n_head < 1 or n_embd % n_head:
@@ -127,12 +131,14 @@ class GPT(CausalLM):
                 f"GPT n_embd={n_embd} is not a multiple of n_head={n_head}: each attention head takes n_embd / n_head "
                 f"channels. Fix: set model.init_args.n_head to a divisor of {n_embd}, or n_embd to a multiple of it."
             )
+        lora = config_dict(as_lora(lora))  # plain values in the hyperparameters (and checkpoints)
         self.save_hyperparameters()
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
         self.blocks = nn.ModuleList(Block(n_embd, n_head, mlp_ratio) for _ in range(n_layer))
         self.norm = nn.RMSNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.init_weights()
+        add_adapters(self, lora)
 
     @torch.no_grad()
     def init_weights(self) -> None:

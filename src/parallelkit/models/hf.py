@@ -23,6 +23,7 @@ from parallelkit.compat import hf_initialize, hf_pp_plan, hf_tp_plan
 from parallelkit.contract import ParallelPlan
 from parallelkit.errors import ConfigError
 from parallelkit.init import building_on_meta, materialize, meta_parameters
+from parallelkit.lora import LoRA, add_adapters, as_lora, config_dict, is_adapter, reset_adapters
 from parallelkit.models.hf_io import SafetensorsWeights, load_weights
 from parallelkit.models.lm import CausalLM
 
@@ -111,6 +112,10 @@ class HFCausalLM(CausalLM):
         betas: AdamW betas.
         warmup_steps: Optimizer steps of linear warmup from 0 to `lr`.
         min_lr_ratio: The cosine decay ends at `lr * min_lr_ratio` on the run's last step.
+        lora: Low-rank adapters (`parallelkit.lora.LoRA`: rank, alpha, dropout, targets, e.g. `{rank: 8, targets:
+            [q_proj, k_proj, v_proj, o_proj]}`) on the targeted linear layers, every other parameter frozen: the base
+            weights (from `pretrained`, or the seed) never change, and checkpoints hold the adapters. None: full
+            fine-tuning.
     """
 
     def __init__(
@@ -123,8 +128,10 @@ class HFCausalLM(CausalLM):
         betas: tuple[float, float] = (0.9, 0.95),
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
+        lora: LoRA | None = None,
     ) -> None:
         super().__init__()
+        lora = config_dict(as_lora(lora))  # plain values in the hyperparameters (and checkpoints)
         self.save_hyperparameters()
         transformers = _transformers()
         if config is None and pretrained is None:
@@ -142,6 +149,8 @@ class HFCausalLM(CausalLM):
                 hf_config, attn_implementation=attn_implementation
             )
         self._plan: ParallelPlan | None = None
+        with meta_parameters():
+            add_adapters(self, lora)
         if eager:
             materialize(self, torch.device("cpu"), dict(self.named_modules()))
 
@@ -173,9 +182,10 @@ class HFCausalLM(CausalLM):
         `_init_weights` for every module). Strategies call it after materialising a meta-device model;
         `parallelkit.init` makes a random initialisation layout-independent."""
         if self.pretrained_weights is not None:
-            load_weights(self.model, self.pretrained_weights)
+            load_weights(self.model, self.pretrained_weights, skip=is_adapter)
         else:
             hf_initialize(self.model)
+        reset_adapters(self)  # after transformers' initialisation, which knows nothing of them
 
     @override
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -134,16 +134,17 @@ class SafetensorsWeights:
         return out[(slice(None), *rest)] if box else out.reshape(())
 
 
-def load_weights(module: nn.Module, weights: SafetensorsWeights) -> None:
+def load_weights(module: nn.Module, weights: SafetensorsWeights, skip: Callable[[str], bool] = lambda _: False) -> None:
     """Fill what this rank holds of `module`'s parameters and persistent buffers (a transformers model; the
     checkpoint's names are its state-dict keys) from `weights`: each sharded tensor's local box, each whole one
-    whole. Layers another pipeline rank holds (still on the meta device) are skipped. Tied parameters are read once,
-    under whichever of their names the checkpoint holds (transformers saves one)."""
+    whole. Layers another pipeline rank holds (still on the meta device) are skipped, and so are the tensors `skip`
+    names (LoRA adapters, which the base model's checkpoint does not hold). Tied parameters are read once, under
+    whichever of their names the checkpoint holds (transformers saves one)."""
     tied = {name: group for group in tied_parameters(module) for name in group}
     done: set[int] = set()
     missing = []
     for name, tensor in module.state_dict(keep_vars=True).items():
-        if id(tensor) in done or tensor.is_meta:
+        if id(tensor) in done or tensor.is_meta or skip(name):
             continue
         key = next((n for n in tied.get(name, [name]) if n in weights.files), None)
         if key is None:

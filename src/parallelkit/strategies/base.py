@@ -42,6 +42,7 @@ from parallelkit.compat import (
 from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import clip_grad_norm_
 from parallelkit.init import has_meta_tensors, materialize, meta_parameters
+from parallelkit.lora import has_adapters, trainable_names
 from parallelkit.mesh import AXES, MeshSpec
 
 
@@ -418,6 +419,24 @@ class ParallelkitStrategy(ModelParallelStrategy):
         if self.global_rank == 0:
             torch.save(rest, path / "meta.pt")
 
+    @property
+    def adapters_only(self) -> bool:
+        """Whether checkpoints hold the trainable parameters only: the model trains LoRA adapters on frozen base
+        weights, which each run gets where the first one did (`pretrained`, or the seed)."""
+        return has_adapters(self.lightning_module)
+
+    def saved_parameters(self) -> list[str] | None:
+        """The model's state-dict keys a checkpoint holds (None: all of them)."""
+        return trainable_names(self.model) if self.adapters_only else None
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+        full = not self._save_distributed_checkpoint
+        options = StateDictOptions(full_state_dict=full, cpu_offload=True, ignore_frozen_params=self.adapters_only)
+        return get_model_state_dict(self.model, options=options)
+
     @override
     def optimizer_state(self, optimizer: Any) -> dict[str, Any]:
         if not self.save_distributed_checkpoint:
@@ -439,11 +458,13 @@ class ParallelkitStrategy(ModelParallelStrategy):
             set_optimizer_state_dict,
         )
 
-        check_compatible(self.model, path)
-        state = {"state_dict": get_model_state_dict(self.model)}
+        saved = self.saved_parameters()
+        check_compatible(self.model, path, names=saved)
+        current = get_model_state_dict(self.model)
+        state = {"state_dict": {k: v for k, v in current.items() if saved is None or k in saved}}
         dcp.load(state, checkpoint_id=str(path))
         strict = self.lightning_module.strict_loading
-        set_model_state_dict(self.model, state["state_dict"], options=StateDictOptions(strict=strict))
+        set_model_state_dict(self.model, {**current, **state["state_dict"]}, options=StateDictOptions(strict=strict))
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
             state = {key: get_optimizer_state_dict(self.model, optimizer, options=FLAT)}
@@ -475,7 +496,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
 
         checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only is not False)
         weights = checkpoint.pop("state_dict")
-        check_compatible(self.model, path, weights)
+        check_compatible(self.model, path, weights, names=self.saved_parameters())
         held = set(self.model.state_dict())
         options = StateDictOptions(full_state_dict=True, strict=self.lightning_module.strict_loading)
         set_model_state_dict(self.model, {k: v for k, v in weights.items() if k in held}, options=options)

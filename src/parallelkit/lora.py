@@ -1,0 +1,278 @@
+"""Low-rank adapters (LoRA) on a model's linear layers, trained under any parallelkit layout.
+
+`add_adapters(model, LoRA(...))` turns each targeted `nn.Linear` into a `LoRALinear` in place: the same module
+under the same name, its weight and bias untouched (and frozen), plus two trainable matrices, `lora_A` (rank x in)
+and `lora_B` (out x rank), whose product, scaled by alpha / rank, is added to the layer's output. Every other
+parameter of the model is frozen. Because the module keeps its name and stays an `nn.Linear`, the model's parallel
+plan (tensor-parallel styles, FSDP units, pipeline layers) applies unchanged:
+
+- under tensor parallelism the adapters follow their layer's split (`adapted_style`): for a column-wise layer A is
+  whole and B column-wise, for a row-wise layer A row-wise and B whole, so the adapter adds no collective in
+  forward (its partial sums join the layer's own reduction);
+- under FSDP2 the adapters share their block's unit with the frozen weights; only they get gradients, so only
+  they are reduce-scattered and only they have optimizer state;
+- checkpoints of a parallelkit strategy hold the trainable parameters only (the base weights come from where they
+  came from the first time: `pretrained`, or the seed).
+
+Why not `peft`: its `LoraLayer` wraps the target (`q_proj` becomes a wrapper holding `q_proj.base_layer`), so the
+plan's globs would name a module torch's tensor-parallel styles cannot split, and its DTensor support is tied to
+transformers' own tensor parallelism. The adapters' math and initialisation are PEFT's (A Kaiming-uniform, B zero,
+scaling alpha / rank), so `parallelkit export-hf --adapters` writes a directory `peft.PeftModel.from_pretrained`
+loads with the same outputs.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+
+from parallelkit.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+ALL_LINEAR = "all-linear"
+"""`targets` value: every `nn.Linear` of the model except its output layer (the plan's `vocab_head`), as PEFT's."""
+
+ADAPTER_PARAMETERS = ("lora_A", "lora_B")
+
+
+@dataclass
+class LoRA:
+    """Which linear layers get adapters, and their shape.
+
+    Args:
+        rank: Inner dimension of the adapters (r).
+        alpha: The adapter's output is scaled by alpha / rank.
+        dropout: Dropout on the adapter's input (training only).
+        targets: Module-name globs (`*` = one path segment) matched against the last segments of each module's name,
+            so `q_proj` or `*.q_proj` finds every `...self_attn.q_proj`, `blocks.0.attn.q` only that one; or
+            "all-linear": every `nn.Linear` but the output layer.
+    """
+
+    rank: int = 8
+    alpha: float = 16.0
+    dropout: float = 0.0
+    targets: list[str] | str = field(default_factory=lambda: ALL_LINEAR)
+
+    def __post_init__(self) -> None:
+        problems = []
+        if not isinstance(self.rank, int) or self.rank < 1:
+            problems.append(f"rank={self.rank!r} must be a positive integer (e.g. 8)")
+        if not self.alpha > 0:
+            problems.append(f"alpha={self.alpha!r} must be positive (e.g. 2 x rank)")
+        if not 0 <= self.dropout < 1:
+            problems.append(f"dropout={self.dropout!r} must be in [0, 1)")
+        if isinstance(self.targets, str) and self.targets != ALL_LINEAR:
+            self.targets = [self.targets]
+        if not self.targets:
+            problems.append(f"targets is empty: name module globs (e.g. ['q_proj', 'v_proj']) or {ALL_LINEAR!r}")
+        if problems:
+            raise ConfigError(f"model.init_args.lora: {'; '.join(problems)}.")
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+
+def as_lora(value: LoRA | dict[str, Any] | None) -> LoRA | None:
+    """A `LoRA` from what a model's `lora` argument may be given as (a mapping from YAML, or a LoRA)."""
+    if value is None or isinstance(value, LoRA):
+        return value
+    unknown = set(value) - set(LoRA.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(
+            f"model.init_args.lora has unknown keys {sorted(unknown)}; it takes {', '.join(LoRA.__dataclass_fields__)}."
+        )
+    return LoRA(**value)
+
+
+class LoRALinear(nn.Linear):
+    """An `nn.Linear` plus a low-rank update: `linear(x) + B(A(dropout(x))) * scaling`, with A and B trainable
+    parameters of the module itself (no child modules, so torch's tensor-parallel styles still see a plain linear
+    layer; `adapted_style` places A and B). Made from an existing layer by `add_adapters`, never constructed."""
+
+    rank: int
+    scaling: float
+    lora_dropout: float
+    lora_seed: int
+    lora_A: nn.Parameter
+    lora_B: nn.Parameter
+
+    def reset_parameters(self) -> None:
+        super().reset_parameters()
+        if hasattr(self, "lora_A"):  # nn.Linear's constructor calls this before adapters exist
+            self.reset_adapters()
+
+    @torch.no_grad()
+    def reset_adapters(self) -> None:
+        """A as `nn.Linear` initialises a weight (Kaiming-uniform), B zero: the adapted layer starts as the base.
+
+        A is drawn from a generator seeded by the run's seed and the module's name, not from torch's global one:
+        the same values whatever the layout, the build (eager or meta) and the order modules are initialised in, and
+        the global generator (data order, dropout) advances exactly as without adapters."""
+        generator = torch.Generator().manual_seed(self.lora_seed)
+        bound = 1 / math.sqrt(self.in_features)  # kaiming_uniform_(a=sqrt(5)), as nn.Linear and PEFT
+        nn.init.uniform_(self.lora_A, -bound, bound, generator=generator)
+        nn.init.zeros_(self.lora_B)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = F.linear(x, self.weight, self.bias)
+        if self.lora_dropout:
+            x = F.dropout(x, self.lora_dropout, self.training)
+        return out + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}"
+
+
+def _adapt(module: nn.Linear, lora: LoRA, seed: int) -> LoRALinear:
+    """Turn `module` into a LoRALinear in place: the same object, so its name, weight and hooks stay."""
+    weight = module.weight
+    module.__class__ = LoRALinear
+    module.rank, module.scaling, module.lora_dropout, module.lora_seed = lora.rank, lora.scaling, lora.dropout, seed
+    module.lora_A = nn.Parameter(torch.empty(lora.rank, module.in_features, device=weight.device, dtype=weight.dtype))
+    module.lora_B = nn.Parameter(torch.empty(module.out_features, lora.rank, device=weight.device, dtype=weight.dtype))
+    if not module.lora_A.is_meta:  # on the meta device, materialisation calls reset_parameters()
+        module.reset_adapters()
+    return module
+
+
+def matches_suffix(pattern: str, name: str) -> bool:
+    """True when `pattern`'s segments match the last segments of the module name `name` (`*` = one segment)."""
+    from parallelkit.plan import matches
+
+    parts = pattern.split(".")
+    names = name.split(".")
+    return len(names) >= len(parts) and matches(pattern, ".".join(names[len(names) - len(parts) :]))
+
+
+def output_layers(model: nn.Module) -> set[str]:
+    """Names of the modules the model's parallel plan calls its output layer (style `vocab_head`)."""
+    from parallelkit.contract import parallel_plan
+    from parallelkit.plan import matches
+
+    heads = [pattern for pattern, style in parallel_plan(model).tp.items() if style == "vocab_head"]
+    return {name for name, _ in model.named_modules() if any(matches(p, name) for p in heads)}
+
+
+def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[str]:
+    """Give `lora.targets`' linear layers adapters and freeze every other parameter of `model`; returns the adapted
+    modules' names. None: nothing (the model trains whole). Call it where the model builds its layers (on the meta
+    device too), before a strategy applies its plan."""
+    lora = as_lora(lora)
+    if lora is None:
+        return []
+    named = [(name, m) for name, m in model.named_modules() if name]
+    if lora.targets == ALL_LINEAR:
+        skip = output_layers(model)
+        chosen = [(n, m) for n, m in named if isinstance(m, nn.Linear) and n not in skip]
+    else:
+        chosen = []
+        for pattern in lora.targets:
+            found = [(n, m) for n, m in named if matches_suffix(pattern, n)]
+            if not found:
+                linear = [n for n, m in named if isinstance(m, nn.Linear)]
+                leaves = sorted({n.rpartition(".")[2] for n in linear})
+                raise ConfigError(
+                    f"lora.targets entry {pattern!r} matches no module of {type(model).__name__}. Targets match the "
+                    f"last segments of module names; its linear layers end in: {', '.join(leaves)} (e.g. "
+                    f"{linear[0] if linear else 'none'}). Or targets: {ALL_LINEAR}."
+                )
+            chosen += [(n, m) for n, m in found if all(n != c for c, _ in chosen)]
+    if not chosen:
+        raise ConfigError(f"lora.targets={lora.targets!r} finds no linear layer in {type(model).__name__}.")
+    for name, module in chosen:
+        if type(module) is not nn.Linear:
+            raise ConfigError(
+                f"lora.targets matches {name} ({type(module).__name__}): adapters go on torch.nn.Linear layers only. "
+                "Fix: narrow the targets to linear layers (e.g. ['q_proj', 'v_proj'])."
+            )
+    for param in model.parameters():
+        param.requires_grad_(False)
+    seed = torch.initial_seed()
+    for name, module in chosen:
+        _adapt(module, lora, seed=(seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    return [name for name, _ in chosen]
+
+
+def adapter_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def has_adapters(model: nn.Module) -> bool:
+    return any(isinstance(m, LoRALinear) for m in model.modules())
+
+
+def is_adapter(name: str) -> bool:
+    """Whether the parameter name is an adapter's (`...q_proj.lora_A`)."""
+    return name.rpartition(".")[2] in ADAPTER_PARAMETERS
+
+
+def reset_adapters(model: nn.Module) -> None:
+    """Initialise every adapter of `model` (after a strategy materialised it, or after base weights were loaded)."""
+    for _, module in adapter_modules(model):
+        module.reset_adapters()
+
+
+def trainable_names(model: nn.Module) -> list[str]:
+    return [name for name, p in model.named_parameters() if p.requires_grad]
+
+
+def adapted_style(style: ParallelStyle) -> ParallelStyle:
+    """`style` (torch's, for a `LoRALinear`) with the adapters following the layer's split: for a column-wise layer
+    A is replicated and B split on its output rows; for a row-wise one A is split on its input columns and B
+    replicated. Anything else keeps both adapters replicated over the tp group."""
+    if isinstance(style, ColwiseParallel):
+        placements = (Replicate(), Shard(0))
+    elif isinstance(style, RowwiseParallel):
+        placements = (Shard(1), Replicate())
+    else:
+        placements = (Replicate(), Replicate())
+    return _AdaptedStyle(style, placements)
+
+
+class _AdaptedStyle(ParallelStyle):
+    """The layer's own style applied to its weight and bias, then each adapter placed as `placements` say."""
+
+    def __init__(self, base: ParallelStyle, placements: tuple[Placement, Placement]) -> None:
+        super().__init__()
+        self.base, self.placements = base, placements
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        # Out of the module while torch's style splits it: its partition functions shard every parameter alike.
+        held = {name: module._parameters.pop(name) for name in ADAPTER_PARAMETERS}
+        self.base._apply(module, device_mesh)
+        for (name, param), placement in zip(held.items(), self.placements):
+            dist = distribute_tensor(param.detach(), device_mesh, [placement])
+            module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))
+        return module
+
+    def __repr__(self) -> str:
+        return f"AdaptedStyle({self.base!r}, A={self.placements[0]}, B={self.placements[1]})"
+
+
+def config_dict(lora: LoRA | None) -> dict[str, Any] | None:
+    """`lora` as plain values (what a checkpoint's hyperparameters hold: loadable with `weights_only=True`)."""
+    return None if lora is None else asdict(lora)
+
+
+def trainable_fraction(model: nn.Module) -> float:
+    total = sum(p.numel() for p in _unique(model.parameters()))
+    return sum(p.numel() for p in _unique(model.parameters()) if p.requires_grad) / max(total, 1)
+
+
+def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
+    seen: dict[int, nn.Parameter] = {}
+    for p in params:
+        seen.setdefault(id(p), p)
+    return list(seen.values())
