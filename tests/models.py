@@ -231,10 +231,24 @@ class StateBytes(L.Callback):
         self.out_dir = out_dir
 
     def on_train_end(self, trainer, pl_module):
-        total = training_state_bytes(pl_module, trainer.optimizers)
+        params = list(pl_module.parameters())
+        parts = {
+            "bytes": training_state_bytes(pl_module, trainer.optimizers),
+            "params": _local_bytes(params),
+            "trainable_params": _local_bytes(p for p in params if p.requires_grad),
+            "grads": _local_bytes(p.grad for p in params if p.grad is not None),
+            "optimized_params": sum(len(o.state) for o in trainer.optimizers),
+        }
+        parts["optimizer"] = parts["bytes"] - parts["params"] - parts["grads"]
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
-            json.dump({"bytes": total}, f)
+            json.dump(parts, f)
+
+
+def _local_bytes(tensors) -> int:
+    """Bytes of this rank's parts of `tensors` (a DTensor's local shard)."""
+    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+    return sum(t.numel() * t.element_size() for t in local)
 
 
 class KillDuringSave(L.Callback):

@@ -45,6 +45,7 @@ tools (no model, no training):
   parallelkit plugins                          every discovered strategy and comm hook, and load errors
   parallelkit consolidate CKPT_DIR OUT.pt      a sharded checkpoint's weights as one plain state dict
   parallelkit export-hf CKPT OUT_DIR           an HFCausalLM checkpoint as a Hugging Face model directory
+                                               (--adapters: a LoRA run's adapters in PEFT's format)
   parallelkit plan --config RUN.yaml --nodes N --devices-per-node G --device-memory 80GB
                                                every valid mesh's memory and communication, and a recommendation
 """
@@ -295,9 +296,18 @@ def export_hf_command(argv: Sequence[str]) -> int:
     parser.add_argument("out", help="the directory to write; AutoModelForCausalLM.from_pretrained(OUT) loads it")
     parser.add_argument("--max-shard-size", default="5GB", help="largest safetensors file, e.g. 5GB (default)")
     parser.add_argument("--tokenizer", help="copy tokenizer files from here (default: the pretrained directory)")
+    parser.add_argument(
+        "--adapters",
+        action="store_true",
+        help="a LoRA run's adapters alone, in PEFT's format (default: merged into the base weights)",
+    )
     args = parser.parse_args(argv)
-    out = export_hf(args.checkpoint, args.out, _bytes(args.max_shard_size, "--max-shard-size"), args.tokenizer)
-    print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    size = _bytes(args.max_shard_size, "--max-shard-size")
+    out = export_hf(args.checkpoint, args.out, size, args.tokenizer, adapters=args.adapters)
+    if args.adapters:
+        print(f"wrote {out}: load it with peft.PeftModel.from_pretrained(base_model, {str(out)!r})")
+    else:
+        print(f"wrote {out}: load it with transformers.AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0
 
 

@@ -177,9 +177,9 @@ def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[s
         skip = output_layers(model)
         chosen = [(n, m) for n, m in named if isinstance(m, nn.Linear) and n not in skip]
     else:
-        chosen = []
+        picked: set[str] = set()
         for pattern in lora.targets:
-            found = [(n, m) for n, m in named if matches_suffix(pattern, n)]
+            found = [n for n, _ in named if matches_suffix(pattern, n)]
             if not found:
                 linear = [n for n, m in named if isinstance(m, nn.Linear)]
                 leaves = sorted({n.rpartition(".")[2] for n in linear})
@@ -188,7 +188,8 @@ def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[s
                     f"last segments of module names; its linear layers end in: {', '.join(leaves)} (e.g. "
                     f"{linear[0] if linear else 'none'}). Or targets: {ALL_LINEAR}."
                 )
-            chosen += [(n, m) for n, m in found if all(n != c for c, _ in chosen)]
+            picked.update(found)
+        chosen = [(n, m) for n, m in named if n in picked]  # in module order
     if not chosen:
         raise ConfigError(f"lora.targets={lora.targets!r} finds no linear layer in {type(model).__name__}.")
     for name, module in chosen:

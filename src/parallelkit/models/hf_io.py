@@ -198,7 +198,11 @@ def _saved_tensors(ckpt: Path) -> tuple[dict[str, Any], dict[str, tuple[tuple[in
 
 
 def export_hf(
-    ckpt: str | Path, out: str | Path, max_shard_size: float = 5e9, tokenizer: str | Path | None = None
+    ckpt: str | Path,
+    out: str | Path,
+    max_shard_size: float = 5e9,
+    tokenizer: str | Path | None = None,
+    adapters: bool = False,
 ) -> Path:
     """Write the `HFCausalLM` weights of a parallelkit checkpoint as a directory `from_pretrained` loads.
 
@@ -206,9 +210,11 @@ def export_hf(
     with an index when there are several, as transformers writes them; `config.json` from the model's config;
     tokenizer files from `tokenizer`, else from the directory the model was loaded from. Tied weights are written
     once, under the first name, as transformers does. Written to `<out>.partial` and renamed when complete.
-    """
-    from safetensors.torch import save_file
 
+    A LoRA run's checkpoint (its adapters only) is written merged into its base weights (read from the `pretrained`
+    directory it was trained from), or with `adapters=True` as the adapters alone in PEFT's format
+    (`adapter_config.json` + `adapter_model.safetensors`, which `peft.PeftModel.from_pretrained` puts on the base).
+    """
     from parallelkit.models.hf import build_config
 
     ckpt, out = Path(ckpt), Path(out)
@@ -223,28 +229,33 @@ def export_hf(
             "its weights no 'model.*' tensors). Fix: export-hf takes HFCausalLM checkpoints; for any other model use "
             "parallelkit consolidate."
         )
+    lora = hparams.get("lora")
+    adapted = sorted(k[: -len(".lora_A")] for k in entries if k.endswith(".lora_A"))
+    if adapters and not adapted:
+        raise CheckpointError(
+            f"{ckpt} holds no LoRA adapters (its run had no model.init_args.lora). Fix: export it without --adapters."
+        )
+    if adapted and not lora:
+        raise CheckpointError(
+            f"{ckpt} holds LoRA adapters ({adapted[0]}, ...) but its hyper_parameters have no lora settings (rank, "
+            "alpha) to scale them by. Fix: export a checkpoint HFCausalLM(lora=...) wrote."
+        )
+    staging = staging_path(out)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    if adapters:
+        _write_adapters(staging, load, lora, adapted, hparams.get("pretrained"))
+        publish(staging, out)
+        return out
     config = build_config(source)
     with torch.device("meta"):
         from transformers import AutoModelForCausalLM
 
         skeleton = AutoModelForCausalLM.from_config(config)
     duplicates = {name for group in tied_parameters(skeleton) for name in group[1:]}
-    names = [k for k in entries if k.startswith(HF_MODULE) and k[len(HF_MODULE) :] not in duplicates]
-    shards = _plan_shards(names, entries, max_shard_size)
-    staging = staging_path(out)
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    weight_map, total = {}, 0
-    for index, keys in enumerate(shards):
-        file = WEIGHTS if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {k[len(HF_MODULE) :]: v for k, v in load(keys).items()}
-        save_file(tensors, staging / file, metadata={"format": "pt"})
-        total += sum(t.numel() * t.element_size() for t in tensors.values())
-        weight_map.update(dict.fromkeys(tensors, file))
-        del tensors
-    if len(shards) > 1:
-        index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
-        (staging / INDEX).write_text(json.dumps(index_file, indent=2, sort_keys=True) + "\n")
+    tensors = _merged_tensors(ckpt, entries, load, skeleton, hparams, adapted, lora)
+    names = [k for k in tensors.entries if k.startswith(HF_MODULE) and k[len(HF_MODULE) :] not in duplicates]
+    _write_weights(staging, names, tensors, max_shard_size)
     config.save_pretrained(staging)
     origin = Path(tokenizer) if tokenizer else Path(hparams["pretrained"]) if hparams.get("pretrained") else None
     for name in TOKENIZER_FILES if origin is not None else ():
@@ -252,6 +263,118 @@ def export_hf(
             shutil.copy2(origin / name, staging / name)
     publish(staging, out)
     return out
+
+
+class _Tensors:
+    """The model's tensors to export, by checkpoint key: `entries` {key: (shape, dtype)}, `load(keys)` -> tensors."""
+
+    def __init__(self, entries: dict[str, tuple[tuple[int, ...], torch.dtype]], load: Callable[..., Any]) -> None:
+        self.entries, self.load = entries, load
+
+
+def _merged_tensors(
+    ckpt: Path,
+    entries: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    load: Callable[[Iterable[str]], dict[str, torch.Tensor]],
+    skeleton: nn.Module,
+    hparams: dict[str, Any],
+    adapted: list[str],
+    lora: dict[str, Any],
+) -> _Tensors:
+    """The base model's tensors with each adapter merged in (`W + alpha / rank * B @ A`); the base weights a LoRA
+    checkpoint does not hold are read from the pretrained directory it was trained from."""
+    if not adapted:
+        return _Tensors(entries, load)
+    wanted = [HF_MODULE + name for name in skeleton.state_dict()]
+    absent = [k for k in wanted if k not in entries]
+    pretrained = SafetensorsWeights(hparams["pretrained"]) if absent and hparams.get("pretrained") else None
+    if absent and (pretrained is None or any(k[len(HF_MODULE) :] not in pretrained.files for k in absent)):
+        raise CheckpointError(
+            f"{ckpt} holds LoRA adapters only, and its base weights ({absent[0]}, ...) "
+            + (
+                f"are not in the pretrained directory {hparams['pretrained']} it names."
+                if hparams.get("pretrained")
+                else "came from the seed, not from a pretrained directory, so they cannot be read back."
+            )
+            + " Fix: export the adapters alone with --adapters, or train from model.init_args.pretrained."
+        )
+    merged = {k: entries[k] for k in wanted if k in entries}
+    for key in absent:
+        name = key[len(HF_MODULE) :]
+        merged[key] = (pretrained.shape(name), pretrained.entries[name][1])
+    scaling = lora["alpha"] / lora["rank"]
+
+    def load_merged(keys: Iterable[str]) -> dict[str, torch.Tensor]:
+        keys = list(keys)
+        out = load([k for k in keys if k in entries])
+        for key in keys:
+            if key not in out:
+                name = key[len(HF_MODULE) :]
+                out[key] = pretrained.read(name, tuple(slice(0, n) for n in pretrained.shape(name)))
+        for module in adapted:
+            if f"{module}.weight" in out:
+                a, b = load([f"{module}.lora_A", f"{module}.lora_B"]).values()
+                weight = out[f"{module}.weight"]
+                out[f"{module}.weight"] = (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
+        return out
+
+    return _Tensors(merged, load_merged)
+
+
+def _write_weights(staging: Path, names: list[str], tensors: _Tensors, max_shard_size: float) -> None:
+    from safetensors.torch import save_file
+
+    shards = _plan_shards(names, tensors.entries, max_shard_size)
+    weight_map, total = {}, 0
+    for index, keys in enumerate(shards):
+        file = WEIGHTS if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        shard = {k[len(HF_MODULE) :]: v.contiguous() for k, v in tensors.load(keys).items()}
+        save_file(shard, staging / file, metadata={"format": "pt"})
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+        weight_map.update(dict.fromkeys(shard, file))
+        del shard
+    if len(shards) > 1:
+        index_file = {"metadata": {"total_size": total}, "weight_map": weight_map}
+        (staging / INDEX).write_text(json.dumps(index_file, indent=2, sort_keys=True) + "\n")
+
+
+PEFT_WEIGHTS = "adapter_model.safetensors"
+PEFT_CONFIG = "adapter_config.json"
+PEFT_PREFIX = "base_model.model."
+"""Where a `peft.PeftModel` holds the transformers model: its adapter keys are `<prefix><module>.lora_A.weight`."""
+
+
+def _write_adapters(
+    staging: Path,
+    load: Callable[[Iterable[str]], dict[str, torch.Tensor]],
+    lora: dict[str, Any],
+    adapted: list[str],
+    pretrained: str | None,
+) -> None:
+    """The adapters as `PeftModel.save_pretrained` writes LoRA ones: safetensors keyed by PEFT's names, and a config
+    naming every adapted module exactly (PEFT matches a listed name in full)."""
+    from safetensors.torch import save_file
+
+    keys = [f"{module}.{part}" for module in adapted for part in ("lora_A", "lora_B")]
+    tensors = {PEFT_PREFIX + k[len(HF_MODULE) :] + ".weight": v.contiguous() for k, v in load(keys).items()}
+    save_file(tensors, staging / PEFT_WEIGHTS, metadata={"format": "pt"})
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": pretrained,
+        "r": lora["rank"],
+        "lora_alpha": lora["alpha"],
+        "lora_dropout": lora["dropout"],
+        "target_modules": [module[len(HF_MODULE) :] for module in adapted],
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "inference_mode": True,
+        "modules_to_save": None,
+    }
+    (staging / PEFT_CONFIG).write_text(json.dumps(config, indent=2) + "\n")
 
 
 def _plan_shards(

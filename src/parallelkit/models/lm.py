@@ -94,11 +94,9 @@ class CausalLM(L.LightningModule):
         hp = self.hparams
         decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
-        optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=hp.lr,
-            betas=hp.betas,
-        )
+        groups = [{"params": decay, "weight_decay": hp.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # No empty group (LoRA trains matrices only): torch's flattened optimizer state cannot load one back.
+        optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.lr, betas=hp.betas)
         total = max(int(self.trainer.estimated_stepping_batches), 1)
 
         def schedule(step: int) -> float:
