@@ -13,6 +13,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parallelkit.callbacks.monitors import training_state_bytes
+from parallelkit.lora import add_adapters
 from parallelkit.mesh import data_parallel_group
 from parallelkit.models.gpt import GPT, MLP, Attention, Block
 
@@ -124,6 +125,16 @@ class WrappedNetwork(LanguageModel):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return self.model(x)
+
+
+class WrappedNetworkWithAdapters(WrappedNetwork):
+    """A user's own module fine-tuned with LoRA through the contract: one call in `__init__` adapts its network's
+    linear layers (`self.model.blocks.*.attn.q`, ...) and freezes the rest; its tp plan and fsdp units stay as they
+    were, and so does its optimizer (frozen parameters get no gradient, so AdamW keeps no state for them)."""
+
+    def __init__(self, n_layer: int = 2, n_head: int = 4, n_embd: int = 64, lr: float = 3e-3) -> None:
+        super().__init__(n_layer, n_head, n_embd, lr)
+        add_adapters(self, {"rank": 4, "alpha": 8, "targets": ["attn.q", "attn.v", "mlp.down"]})
 
 
 class Encoder(nn.Module):

@@ -89,6 +89,15 @@ def test_lora_matches_single_process_losses(reference, pretrained, state_dir, na
     assert_same_losses(expected, lora_run(reference, pretrained, state_dir, name).losses())
 
 
+def test_a_users_module_with_adapters_through_the_contract_matches_single_process_on_2x2(reference):
+    """`models.WrappedNetworkWithAdapters`: a LightningModule calling its network as `self.model(x)`, which adds
+    adapters with one `add_adapters` call; its own tp plan and fsdp units apply to the adapted layers unchanged."""
+    model = "--model=models.WrappedNetworkWithAdapters"
+    losses = reference("hybrid.yaml", model).losses()
+    assert_same_losses(reference("single.yaml", model).losses(), losses)
+    assert losses[19] < losses[0]
+
+
 def test_lora_on_tp2_adds_no_gather_and_holds_a_fraction_of_full_fine_tunings_state(
     tmp_path, corpus, reference, pretrained, state_dir
 ):
