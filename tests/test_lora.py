@@ -18,11 +18,12 @@ from conftest import (
 from models import TINY_LLAMA
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from parallelkit.checkpoint import MODEL_PREFIX, consolidate, read_metadata
+from parallelkit.checkpoint import MODEL_PREFIX, CheckpointError, consolidate, read_metadata
 from parallelkit.errors import ConfigError
 from parallelkit.init import materialize, meta_parameters
 from parallelkit.lora import LoRALinear, add_adapters
 from parallelkit.models import GPT, HFCausalLM
+from parallelkit.models.hf_io import export_hf
 
 CONFIG = "lora.yaml"
 """A Llama (4 heads, 2 key/value heads) with rank-8 adapters on q, k, v and o, on FSDP2 x tp [[2, 2]], meta_init."""
@@ -221,3 +222,17 @@ def test_hf_model_takes_lora_from_the_config_and_keeps_the_base_frozen_on_meta_t
     assert not isinstance(model.model.model.layers[0].mlp.up_proj, LoRALinear)
     assert model.hparams.lora == LORA  # plain values: a checkpoint's hyperparameters load with weights_only=True
     assert sum(p.requires_grad for p in model.parameters()) == 16
+
+
+def test_export_of_adapters_on_a_base_drawn_from_the_seed_writes_them_alone_and_refuses_to_merge(tmp_path):
+    """A LoRA checkpoint holds the adapters only; when the base came from the seed, not from a pretrained directory,
+    there is nothing to merge them into: `export-hf` says so with the fix, and `--adapters` writes them."""
+    model = HFCausalLM({"model_type": "llama", **TINY_LLAMA}, lora=LORA)
+    trainable = {n: p.detach() for n, p in model.named_parameters() if p.requires_grad}
+    torch.save({"state_dict": trainable, "hyper_parameters": dict(model.hparams)}, tmp_path / "last.ckpt")
+    with pytest.raises(CheckpointError, match=r"came from the seed.*Fix: export the adapters alone with --adapters"):
+        export_hf(tmp_path / "last.ckpt", tmp_path / "merged")
+    out = export_hf(tmp_path / "last.ckpt", tmp_path / "adapters", adapters=True)
+    config = json.loads((out / "adapter_config.json").read_text())
+    assert config["r"] == 8 and config["lora_alpha"] == 16.0 and len(config["target_modules"]) == 8
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["adapters", "last.ckpt"]  # nothing left half-written

@@ -242,8 +242,8 @@ def export_hf(
         )
     staging = staging_path(out)
     shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
     if adapters:
+        staging.mkdir(parents=True)
         _write_adapters(staging, load, lora, adapted, hparams.get("pretrained"))
         publish(staging, out)
         return out
@@ -255,6 +255,7 @@ def export_hf(
     duplicates = {name for group in tied_parameters(skeleton) for name in group[1:]}
     tensors = _merged_tensors(ckpt, entries, load, skeleton, hparams, adapted, lora)
     names = [k for k in tensors.entries if k.startswith(HF_MODULE) and k[len(HF_MODULE) :] not in duplicates]
+    staging.mkdir(parents=True)
     _write_weights(staging, names, tensors, max_shard_size)
     config.save_pretrained(staging)
     origin = Path(tokenizer) if tokenizer else Path(hparams["pretrained"]) if hparams.get("pretrained") else None
