@@ -178,3 +178,23 @@ def test_a_model_that_fits_nowhere_says_by_how_much(tmp_path):
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "no layout fits: the smallest per-device peak is" in proc.stdout
     assert "over the 16.00 GB device" in proc.stdout
+
+
+def test_a_lora_model_has_gradients_and_optimizer_state_for_its_adapters_only():
+    """Rank-4 adapters on q and v of a 2 x 64 GPT, on [[4, 1]] and [[2, 2]]: the weights are the model's plus the
+    adapters', gradients and AdamW's moments the adapters' alone (tp splits half of each adapter: B of a column-wise
+    layer), and the reduce-scatter carries their gradients only."""
+    torch.manual_seed(0)
+    sizes = {"n_layer": 2, "n_head": 4, "n_embd": 64}
+    with torch.device("meta"):
+        full, lora = GPT(**sizes), GPT(**sizes, lora={"rank": 4, "targets": ["attn.q", "attn.v"]})
+    work, hw = Workload(seq_len=32, micro_batch=2), Hardware(1, 4, 80e9)
+    params = sum(p.numel() for p in full.parameters())
+    adapter_a, adapter_b = 2 * 2 * 4 * 64, 2 * 2 * 64 * 4  # A (rank x in) and B (out x rank) of q and v, 2 blocks
+    for fsdp, tp in ((4, 1), (2, 2)):
+        mesh = MeshSpec((fsdp, tp), ("fsdp", "tp"))
+        base, adapted = estimate(profile(full, 32), mesh, work, hw), estimate(profile(lora, 32), mesh, work, hw)
+        trained = (adapter_a + adapter_b / tp) / fsdp  # B is split with its column-wise layer's output rows
+        assert adapted.params == base.params + 4 * trained
+        assert adapted.grads == 4 * trained and adapted.optimizer == 8 * trained
+        assert base.grads == base.params and params > 20 * (adapter_a + adapter_b)

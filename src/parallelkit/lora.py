@@ -229,6 +229,11 @@ def trainable_names(model: nn.Module) -> list[str]:
     return [name for name, p in model.named_parameters() if p.requires_grad]
 
 
+WHOLE_UNDER = {"colwise": "lora_A", "colwise_gather": "lora_A", "vocab_head": "lora_A", "rowwise": "lora_B"}
+"""tp style name of a layer -> its adapter that tensor parallelism keeps whole (the other is split with the layer),
+as `adapted_style` places them; the planner counts by it."""
+
+
 def adapted_style(style: ParallelStyle) -> ParallelStyle:
     """`style` (torch's, for a `LoRALinear`) with the adapters following the layer's split: for a column-wise layer
     A is replicated and B split on its output rows; for a row-wise one A is split on its input columns and B

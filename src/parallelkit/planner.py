@@ -7,7 +7,8 @@ else is arithmetic on those counts, so a 70B configuration plans as fast as a to
 
 Per rank (the most loaded pipeline stage), in bytes:
 - state: parameters (fp32), gradients (fp32), optimizer states (fp32; AdamW 2, SGD with momentum 1, SGD 0 per
-  parameter), each `(tp-sharded / tp + replicated) / fsdp`;
+  parameter), each `(tp-sharded / tp + replicated) / fsdp`; gradients and optimizer states of the trainable
+  parameters only (a LoRA model's adapters);
 - activations: the layers' saved bytes per sample x samples in flight (a pipeline stage holds GPipe: m, 1F1B:
   pp - stage, interleaved: its warm-up count of microbatch chunks); under tp, / tp plus what sequence
   parallelism gathers whole (the inputs of column-wise layers); under activation checkpointing, each unit keeps
@@ -35,6 +36,7 @@ from torch import nn
 
 from parallelkit.compat import flash_attention_on_cpu
 from parallelkit.errors import PlanError
+from parallelkit.lora import WHOLE_UNDER, LoRALinear
 from parallelkit.mesh import MeshSpec
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
@@ -82,6 +84,9 @@ class Layer:
     tp_traffic: float
     output: float
     unit: bool
+    trainable: int
+    """Parameters that get gradients (all but a LoRA model's frozen base); `tp_trainable` of them are tp-sharded."""
+    tp_trainable: int
 
 
 @dataclass
@@ -187,7 +192,8 @@ def profile(
     for pattern, style in contract.tp.items():
         for fqn, module in select(model, [pattern], "tp_plan"):
             if style in SHARDING_STYLES:
-                sharded.update(id(p) for p in module.parameters())
+                whole = WHOLE_UNDER.get(style) if isinstance(module, LoRALinear) else None
+                sharded.update(id(p) for name, p in module.named_parameters() if name != whole)
             if (style in SHARDING_STYLES or style in GATHERING_STYLES) and fqn not in gathering:
                 tp_modules.append((module, style))
 
@@ -254,6 +260,8 @@ def profile(
                 tp_traffic=sum(v for k, v in (*gathered.items(), *scattered.items()) if k in members),
                 output=outputs.get(name, 0.0),
                 unit=name in units,
+                trainable=sum(p.numel() for p in params if p.requires_grad),
+                tp_trainable=sum(p.numel() for p in params if p.requires_grad and id(p) in sharded),
             )
         )
     valid: dict[int, str] = {}
@@ -307,6 +315,9 @@ def estimate(
     def local_params(layers: Iterable[Layer]) -> float:
         return sum(layer.tp_sharded / tp + layer.params - layer.tp_sharded for layer in layers)
 
+    def local_trainable(layers: Iterable[Layer]) -> float:
+        return sum(layer.tp_trainable / tp + layer.trainable - layer.tp_trainable for layer in layers)
+
     def activations(layer: Layer) -> float:
         if work.activation_checkpointing and layer.unit:
             return layer.output * cb / tp  # only the unit's input (the previous unit's output) is kept
@@ -321,6 +332,7 @@ def estimate(
         layers = [layer for _, stage in mine for layer in stage]
         tp_params = local_params(layers)
         shard = tp_params / fsdp
+        trained = local_trainable(layers)  # of tp_params: what has gradients and optimizer state
         in_flight = _in_flight(schedule if pp > 1 else None, pp, rank, m, v)
         acts = sum(activations(layer) for layer in layers) * in_flight * samples
         if work.activation_checkpointing:  # one unit at a time is recomputed whole in backward
@@ -333,9 +345,9 @@ def estimate(
         if fsdp > 1:
             # Default resharding re-gathers every unit but the last in backward; pipelines keep them gathered.
             regathered = 0.0 if pp > 1 else sum(units[:-1])
-            comm["fsdp"] = (tp_params + regathered) * work.compute_bytes * work.accumulate + tp_params * 4
+            comm["fsdp"] = (tp_params + regathered) * work.compute_bytes * work.accumulate + trained * 4
         if rep > 1:
-            comm["replicate"] = shard * 4
+            comm["replicate"] = trained / fsdp * 4
         if tp > 1:
             comm["tp"] = 2 * sum(layer.tp_traffic for layer in layers) * cb * work.micro_batch * work.accumulate
         if pp > 1:
@@ -348,7 +360,8 @@ def estimate(
             compute /= 1 - (pp - 1) / (v * m + pp - 1)
         seconds = compute + sum(b / (_bandwidth(spec, axis, hw) * 1e9) for axis, b in comm.items())
         slowest = max(slowest, seconds)
-        e = Estimate(str(spec), schedule, shard * 4, shard * 4, shard * 4 * states, acts, gathered, comm, seconds)
+        grads = trained / fsdp * 4
+        e = Estimate(str(spec), schedule, shard * 4, grads, grads * states, acts, gathered, comm, seconds)
         if worst is None or e.peak > worst.peak:
             worst = e
     worst.step_s = slowest
