@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -193,6 +192,8 @@ def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[s
     if not chosen:
         raise ConfigError(f"lora.targets={lora.targets!r} finds no linear layer in {type(model).__name__}.")
     for name, module in chosen:
+        if isinstance(module, LoRALinear):
+            raise ConfigError(f"{name} has adapters already: add_adapters is called once per model.")
         if type(module) is not nn.Linear:
             raise ConfigError(
                 f"lora.targets matches {name} ({type(module).__name__}): adapters go on torch.nn.Linear layers only. "
@@ -270,15 +271,3 @@ class _AdaptedStyle(ParallelStyle):
 def config_dict(lora: LoRA | None) -> dict[str, Any] | None:
     """`lora` as plain values (what a checkpoint's hyperparameters hold: loadable with `weights_only=True`)."""
     return None if lora is None else asdict(lora)
-
-
-def trainable_fraction(model: nn.Module) -> float:
-    total = sum(p.numel() for p in _unique(model.parameters()))
-    return sum(p.numel() for p in _unique(model.parameters()) if p.requires_grad) / max(total, 1)
-
-
-def _unique(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
-    seen: dict[int, nn.Parameter] = {}
-    for p in params:
-        seen.setdefault(id(p), p)
-    return list(seen.values())
