@@ -99,6 +99,19 @@ def test_a_users_module_with_adapters_through_the_contract_matches_single_proces
     assert losses[19] < losses[0]
 
 
+def test_a_pipeline_rank_left_without_adapters_is_refused_on_every_rank_with_the_fix(tmp_path, pretrained):
+    """ZB-V on pp=2 puts the embedding, final norm and head (stages 0 and 3) on rank 0: with adapters on attention
+    only, nothing there trains. Refused with the fix (by hand, `split_points: [2, 3, 4]` then matches one process,
+    1.8e-7), reported once, exit 2."""
+    zbv = ("--trainer.strategy=parallelkit.PipelineStrategy", "--trainer.strategy.schedule=zbv")
+    proc = fit(CONFIG, tmp_path, *from_base(pretrained, *zbv, *mesh('[[2], ["pp"]]', 2, 8)), "--trainer.max_steps=1")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    error = proc.stderr.rstrip().splitlines()[-1]
+    assert proc.stderr.count("parallelkit: error") == 1
+    assert error.startswith("parallelkit: error: pipeline rank 0 holds stages [0, 3] (model.model.embed_tokens, ")
+    assert "none of their parameters trains" in error and "Fix: split_points" in error
+
+
 def test_lora_on_tp2_adds_no_gather_and_holds_a_fraction_of_full_fine_tunings_state(
     tmp_path, corpus, reference, pretrained, state_dir
 ):

@@ -265,6 +265,8 @@ class PipelineStrategy(ParallelkitStrategy):
         layers = pipeline_layer_names(module, self._contract)
         pp_mesh = self.device_mesh["pp"]
         stages = split_stages(module, layers, self.num_stages, self.split_points)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_every_rank_trains(module, stages)
         mine = self.stage_indices(pp_mesh.get_local_rank())
         modules = parallelize(module, self.device_mesh, stages=[stages[i] for i in mine], **self.parallelize_options())
         if self.reshard_after_forward != "always":
@@ -296,6 +298,20 @@ class PipelineStrategy(ParallelkitStrategy):
         self.precision_plugin.stage_group = pp_mesh.get_group()
         if trainer.state.fn == TrainerFn.FITTING:
             skip_loop_backward(trainer)  # the schedule runs backward itself
+
+    def _check_every_rank_trains(self, module: Any, stages: list[list[str]]) -> None:
+        """Refuse, on every rank alike, a split where some rank's stages hold no trainable parameter (a LoRA model
+        whose adapters all sit in other stages): that rank's optimizer would be empty, which torch refuses."""
+        for rank in range(self.pp_size):
+            held = [name for i in self.stage_indices(rank) for name in stages[i]]
+            if not any(p.requires_grad for name in held for p in module.get_submodule(name).parameters()):
+                raise PlanError(
+                    f"pipeline rank {rank} holds stages {self.stage_indices(rank)} ({', '.join(held)}), and none of "
+                    "their parameters trains (the model's trainable parameters, e.g. LoRA adapters, are all in other "
+                    "stages): its optimizer would be empty. Fix: split_points that give it a layer with trainable "
+                    "parameters, a schedule with loop placement (e.g. 1f1b) instead of a V-shaped one, or adapters on "
+                    "more layers (lora.targets)."
+                )
 
     @override
     def check_model(self, model: Any) -> None:
