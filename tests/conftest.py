@@ -199,3 +199,47 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Callabl
 def baseline(reference: Callable[..., Reference]) -> Callable[[str], Reference]:
     """`baseline(name)`: the single-process run of a SINGLE_PROCESS variant."""
     return lambda name: reference("single.yaml", *SINGLE_PROCESS[name])
+
+
+FSDP4 = [
+    '--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]',
+    "--trainer.devices=4",
+    "--data.init_args.batch_size=2",
+]
+"""hybrid.yaml on [[4, 1]]: 4 processes, each with 2 of the global batch of 8."""
+
+
+@pytest.fixture(scope="session")
+def fsdp4_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    """hybrid.yaml on [[4, 1]] for 20 steps with the fp32 comm hook and profile_communication, each rank writing its
+    training-state bytes at the end (`models.StateBytes`, under `<dir>/state`): its CSV log directory. One launch for
+    test_comm.py's fp32 runs and test_fsdp_tp.py's sharded training-state measure, which each made it before (the
+    monitor and the callback only observe: the losses stay one process's)."""
+    root = tmp_path_factory.mktemp("fsdp4_fp32")
+    assert_ok(
+        fit(
+            "hybrid.yaml",
+            root,
+            *common(corpus, root / "cache"),
+            *FSDP4,
+            "--trainer.strategy.comm_precision=fp32",
+            "--trainer.strategy.profile_communication=true",
+            callback("models.StateBytes", out_dir=str(root / "state")),
+        )
+    )
+    return root
+
+
+@pytest.fixture(scope="session")
+def ddp_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
+    """configs/ddp.yaml (2 processes) under parallelkit's DDPStrategy (the `ddp_comm` preset's class) with the fp32
+    hook (its default) and profile_communication, 20 steps: its CSV log directory. One launch for test_comm.py's DDP
+    hook test and the uninterrupted run test_checkpoint.py's ddp_comm SIGTERM test compares with."""
+    root = tmp_path_factory.mktemp("ddp_fp32")
+    ddp = [
+        "--trainer.strategy=parallelkit.DDPStrategy",
+        "--trainer.strategy.comm_precision=fp32",
+        "--trainer.strategy.profile_communication=true",
+    ]
+    assert_ok(fit("ddp.yaml", root, *common(corpus, root / "cache"), *ddp))
+    return root

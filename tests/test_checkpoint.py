@@ -344,13 +344,14 @@ def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
 
 
-def test_sigterm_under_ddp_comm_saves_last_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus, reference):
+def test_sigterm_under_ddp_comm_saves_last_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus, ddp_fp32):
     """parallelkit's DDPStrategy (Lightning's DDP with a comm hook) preempted as the sharded strategies are: rank 0
-    writes last.ckpt as a single file, every process exits 0, and the relaunch continues the uninterrupted run.
+    writes last.ckpt as a single file, every process exits 0, and the relaunch continues the uninterrupted run (the
+    session's `ddp_fp32`: the same strategy and hook, fp32 being ddp_comm's default, shared with test_comm.py).
     Only rank 1 is signalled: the ranks must agree on the step to stop at (a rank that stops alone hangs the job,
     which is what a signal reaching rank 0 a moment after rank 1 did)."""
     ddp_comm = "--trainer.strategy=ddp_comm"
-    straight = reference("ddp.yaml", ddp_comm).losses()
+    straight = step_losses(ddp_fp32)
     ckpt = tmp_path / "ckpt"
     with training_in_background(
         tmp_path,

@@ -31,14 +31,23 @@ def reference_model() -> GPT:
     return GPT(n_layer=2, n_head=4, n_embd=64)  # configs' model: every dim divisible by 4, so FSDP adds no padding
 
 
+FSDP2 = [
+    '--trainer.strategy.mesh_shape=[[2, 1], ["fsdp", "tp"]]',
+    "--trainer.devices=2",
+    "--data.init_args.batch_size=4",
+]
+"""Where a property holds on any number of fsdp ranks: 2 processes, half the launch cost of [[4, 1]] on 2 cores."""
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, corpus):
+def runs(tmp_path_factory, corpus, fsdp4_fp32):
     """[[4, 1]] runs under fp32, fp16 and int8 for 20 steps; bf16 for 20 under HSDP [[2, 2]] (replicate x fsdp),
     which reduce-scatters the same full gradient and all-reduces its shard over replicate too (fp32 under HSDP gives
-    [[4, 1]]'s losses within ~1e-6); int8 under HSDP for 3 steps."""
+    [[4, 1]]'s losses within ~1e-6); int8 under HSDP for 3 steps: each run's CSV log directory, by name. The fp32 run
+    is the session's `fsdp4_fp32` (shared with test_fsdp_tp.py)."""
     root = tmp_path_factory.mktemp("comm")
+    made = {"fp32_20": fsdp4_fp32}
     for name, hook, steps, layout in (
-        ("fp32_20", "fp32", 20, FSDP4),
         ("fp16_20", "fp16", 20, FSDP4),
         ("int8_20", "int8", 20, FSDP4),
         ("bf16_hsdp_20", "bf16", 20, HSDP),
@@ -53,12 +62,13 @@ def runs(tmp_path_factory, corpus):
                 f"--trainer.strategy.comm_precision={hook}",
             )
         )
-    return root
+        made[name] = root / name
+    return made
 
 
 def test_fp32_gradient_bytes_equal_four_bytes_per_parameter_per_step(runs):
     params = sum(p.numel() for p in reference_model().parameters())
-    per_step = step_losses(runs / "fp32_20", "comm/reduce_scatter_bytes")
+    per_step = step_losses(runs["fp32_20"], "comm/reduce_scatter_bytes")
     assert len(per_step) == 20
     # One reduce-scatter of every (unsharded, fp32) gradient per optimizer step.
     assert set(per_step.values()) == {4.0 * params}
@@ -73,40 +83,40 @@ def test_each_unit_is_gathered_once_in_forward_and_again_in_backward_only_if_res
     blocks = [sum(p.numel() for p in unit.parameters()) for _, unit in fsdp_units(model)]
     root = sum(p.numel() for p in model.parameters()) - sum(blocks)
     fsdp = 4 * (root + sum(blocks) + sum(blocks[:-1]))
-    gathered = step_losses(runs / "fp32_20", "comm/all_gather_bytes")
+    gathered = step_losses(runs["fp32_20"], "comm/all_gather_bytes")
     # The rest is RankMonitor's gather of each rank's few statistics.
     assert all(0 <= value - fsdp < 1024 for value in gathered.values()), (fsdp, gathered)
 
 
 @pytest.mark.parametrize(("half", "full"), [("bf16_hsdp_20", "fp32_20"), ("fp16_20", "fp32_20")])
 def test_half_precision_hooks_halve_gradient_bytes(runs, half, full):
-    full_bytes = step_losses(runs / full, "comm/reduce_scatter_bytes")
-    half_bytes = step_losses(runs / half, "comm/reduce_scatter_bytes")
+    full_bytes = step_losses(runs[full], "comm/reduce_scatter_bytes")
+    half_bytes = step_losses(runs[half], "comm/reduce_scatter_bytes")
     assert sorted(half_bytes) == sorted(full_bytes)
     for step in full_bytes:
         assert half_bytes[step] * 2 == full_bytes[step]  # exactly: 2 bytes per gradient element instead of 4
 
 
 def test_fp32_hook_matches_single_process_losses(runs, baseline):
-    assert_same_losses(baseline("plain").losses(), step_losses(runs / "fp32_20"), rtol=1e-6)
+    assert_same_losses(baseline("plain").losses(), step_losses(runs["fp32_20"]), rtol=1e-6)
 
 
 def test_int8_hook_sends_a_quarter_of_the_bytes_and_still_trains(runs):
-    fp32 = step_losses(runs / "fp32_20", "comm/reduce_scatter_bytes")
-    int8 = step_losses(runs / "int8_20", "comm/all_to_all_bytes")
-    assert "comm/reduce_scatter_bytes" not in next((runs / "int8_20").rglob("metrics.csv")).read_text()
+    fp32 = step_losses(runs["fp32_20"], "comm/reduce_scatter_bytes")
+    int8 = step_losses(runs["int8_20"], "comm/all_to_all_bytes")
+    assert "comm/reduce_scatter_bytes" not in next(runs["int8_20"].rglob("metrics.csv")).read_text()
     # 1 byte per element + 4 bytes of scale per rank per buffer: 3 buffers x 4 ranks x 4 bytes.
     assert sorted(int8) == sorted(fp32)
     for step in fp32:
         assert int8[step] == fp32[step] / 4 + 3 * 4 * 4
-    losses, exact = step_losses(runs / "int8_20"), step_losses(runs / "fp32_20")
+    losses, exact = step_losses(runs["int8_20"]), step_losses(runs["fp32_20"])
     assert losses[19] < losses[0] - 1.0
     assert_same_losses(exact, losses, rtol=0.02)
     assert max(abs(losses[s] - exact[s]) for s in exact) > 1e-4  # the hook is applied (measured: 1e-2 apart)
 
 
 def test_bf16_hook_stays_within_2_percent_of_fp32(runs):
-    exact, bf16 = step_losses(runs / "fp32_20"), step_losses(runs / "bf16_hsdp_20")
+    exact, bf16 = step_losses(runs["fp32_20"]), step_losses(runs["bf16_hsdp_20"])
     assert_same_losses(exact, bf16, rtol=0.02)
     # The hook is applied: not fp32's losses (measured: 5.7e-4 apart at most; fp32 under HSDP is within ~1e-6).
     assert max(abs(bf16[s] - exact[s]) for s in exact) > 1e-5
@@ -116,7 +126,7 @@ def test_fp16_hook_trains_within_0_01_percent_of_fp32_and_is_not_fp32(runs):
     """fp16 keeps more mantissa than bf16 (FSDP2 scales before and after the sum so that it cannot overflow): close
     to fp32 (measured: 2.4e-6 relative at most over 20 steps), but not fp32's losses (measured: 8.6e-6 apart at
     most), which an ignored hook gives exactly (same layout, same reduction order)."""
-    exact, fp16 = step_losses(runs / "fp32_20"), step_losses(runs / "fp16_20")
+    exact, fp16 = step_losses(runs["fp32_20"]), step_losses(runs["fp16_20"])
     assert_same_losses(exact, fp16, rtol=1e-4)
     assert fp16 != exact
 
@@ -130,17 +140,17 @@ def test_hsdp_replicate_all_reduce_is_in_the_hooks_dtype_and_stays_fp32_under_in
     groups = len(fsdp_units(reference_model())) + 1  # one buffer per FSDP module: the blocks and the root
     shard = params // 2
     for name in ("bf16_hsdp_20", "int8_hsdp_3"):
-        assert set(step_losses(runs / name, "comm/all_reduce_count").values()) == {groups + 1.0}
-    bf16 = step_losses(runs / "bf16_hsdp_20", "comm/all_reduce_bytes")
-    int8 = step_losses(runs / "int8_hsdp_3", "comm/all_reduce_bytes")
+        assert set(step_losses(runs[name], "comm/all_reduce_count").values()) == {groups + 1.0}
+    bf16 = step_losses(runs["bf16_hsdp_20"], "comm/all_reduce_bytes")
+    int8 = step_losses(runs["int8_hsdp_3"], "comm/all_reduce_bytes")
     assert set(bf16.values()) == {2.0 * shard + 4}
     assert set(int8.values()) == {4.0 * shard + 4}
-    assert set(step_losses(runs / "int8_hsdp_3", "comm/all_to_all_bytes").values()) == {params + groups * 2 * 4.0}
-    assert "comm/reduce_scatter_bytes" not in next((runs / "int8_hsdp_3").rglob("metrics.csv")).read_text()
+    assert set(step_losses(runs["int8_hsdp_3"], "comm/all_to_all_bytes").values()) == {params + groups * 2 * 4.0}
+    assert "comm/reduce_scatter_bytes" not in next(runs["int8_hsdp_3"].rglob("metrics.csv")).read_text()
     # Both train: the first steps as fp32's within the hooks' tolerance.
-    exact = step_losses(runs / "fp32_20")
+    exact = step_losses(runs["fp32_20"])
     for name in ("bf16_hsdp_20", "int8_hsdp_3"):
-        losses = step_losses(runs / name)
+        losses = step_losses(runs[name])
         assert_same_losses({s: exact[s] for s in range(3)}, {s: losses[s] for s in range(3)}, rtol=0.02)
 
 
@@ -150,7 +160,7 @@ def test_accumulation_reduces_gradients_once_per_fsdp_module_per_optimizer_step(
             "hybrid.yaml",
             tmp_path,
             *common(corpus, tmp_path / "cache", steps=5),
-            *FSDP4,
+            *FSDP2,
             "--trainer.accumulate_grad_batches=4",
         )
     )
@@ -182,7 +192,7 @@ def test_third_party_hook_from_an_entry_point_is_selected_by_name_in_yaml(tmp_pa
         "hybrid.yaml",
         tmp_path / "run",
         *common(corpus, tmp_path / "cache", steps=3),
-        *FSDP4,
+        *FSDP2,
         f"--config={config}",
         PYTHONPATH=str(site),
     )
@@ -205,16 +215,18 @@ def ddp(hook: str) -> list[str]:
     ]
 
 
-def test_ddp_hooks_apply_on_cpu_with_the_bytes_they_claim(tmp_path, corpus, baseline):
-    for hook in ("fp32", "bf16"):
-        assert_ok(fit("ddp.yaml", tmp_path / hook, *common(corpus, tmp_path / "cache")[:-1], *ddp(hook)))
+def test_ddp_hooks_apply_on_cpu_with_the_bytes_they_claim(tmp_path, corpus, baseline, ddp_fp32):
+    """fp32 and bf16 on ddp.yaml's 2 processes; the fp32 run is the session's `ddp_fp32` (the same flags as
+    `ddp("fp32")`, shared with test_checkpoint.py)."""
+    assert_ok(fit("ddp.yaml", tmp_path / "bf16", *common(corpus, tmp_path / "cache")[:-1], *ddp("bf16")))
+    runs = {"fp32": ddp_fp32, "bf16": tmp_path / "bf16"}
     params = sum(p.numel() for p in reference_model().parameters())
-    fp32, bf16 = (step_losses(tmp_path / h, "comm/all_reduce_bytes") for h in ("fp32", "bf16"))
+    fp32, bf16 = (step_losses(runs[h], "comm/all_reduce_bytes") for h in ("fp32", "bf16"))
     # Each step: every gradient once in DDP's buckets, plus the 4-byte train_loss all-reduce for logging.
     assert set(fp32.values()) == {4.0 * params + 4}
     assert set(bf16.values()) == {2.0 * params + 4}
-    assert_same_losses(baseline("plain").losses(), step_losses(tmp_path / "fp32"))
-    assert_same_losses(step_losses(tmp_path / "fp32"), step_losses(tmp_path / "bf16"), rtol=0.02)
+    assert_same_losses(baseline("plain").losses(), step_losses(runs["fp32"]))
+    assert_same_losses(step_losses(runs["fp32"]), step_losses(runs["bf16"]), rtol=0.02)
 
 
 def test_ddp_refuses_a_hook_without_a_ddp_form(tmp_path):
