@@ -206,28 +206,31 @@ def test_sharded_checkpoint_with_a_single_device_strategy_says_how_to_load_it(tm
     assert "is a sharded checkpoint" in proc.stderr and "parallelkit consolidate" in proc.stderr
 
 
-def test_a_save_cut_short_is_ignored_and_last_resumes_from_the_complete_one(tmp_path, corpus, saved):
-    """`--ckpt_path=last` next to what a process killed mid-save leaves behind (shards under the staging name
-    `last.ckpt.partial`, newer than `last.ckpt`) resumes from the complete `last.ckpt`: here the shared [[2, 2]]
-    run's step-10 checkpoint under that name."""
-    ckpt = tmp_path / "ckpt"
+@pytest.fixture(scope="module")
+def resumed_2x2(tmp_path_factory, corpus, saved):
+    """The shared [[2, 2]] run resumed from its step-10 checkpoint, to the end (step 19), with `--ckpt_path=last`
+    next to what a process killed mid-save leaves behind: the checkpoint under the name `last.ckpt`, and shards under
+    the staging name `last.ckpt.partial`, newer than it. One launch for the two tests below (the resume-mid-epoch
+    one and the cut-short-save one each launched it before): the resumed steps' losses."""
+    root = tmp_path_factory.mktemp("resumed_2x2")
+    ckpt = root / "ckpt"
     ckpt.mkdir()
     shutil.copytree(saved[1], ckpt / "last.ckpt")
     partial = ckpt / "last.ckpt.partial"
     partial.mkdir()
     (partial / "__0_0.distcp").write_bytes(b"truncated")
-    assert_ok(
-        fit(
-            "hybrid.yaml",
-            tmp_path / "resumed",
-            *common(corpus, tmp_path / "cache"),
-            callback("models.StopAfter", step=12),
-            checkpoint_every(ckpt, 5, last=True),
-            "--ckpt_path=last",
-        )
-    )
-    resumed = step_losses(tmp_path / "resumed")
-    assert sorted(resumed) == [10, 11]
+    # A ModelCheckpoint on the directory (`last` is found through it) that saves nothing before the run ends.
+    watch = checkpoint_every(ckpt, 100, last=True)
+    assert_ok(fit("hybrid.yaml", root / "resumed", *common(corpus, root / "cache"), watch, "--ckpt_path=last"))
+    return step_losses(root / "resumed")
+
+
+def test_a_save_cut_short_is_ignored_and_last_resumes_from_the_complete_one(saved, resumed_2x2):
+    """`--ckpt_path=last` next to what a process killed mid-save leaves behind (shards under the staging name
+    `last.ckpt.partial`, newer than `last.ckpt`) resumes from the complete `last.ckpt`: here the shared [[2, 2]]
+    run's step-10 checkpoint under that name."""
+    resumed = resumed_2x2
+    assert sorted(resumed) == list(range(10, STEPS))  # from the complete checkpoint's step 10
     assert_same_losses({step: saved[0][step] for step in resumed}, resumed)
 
 
@@ -298,38 +301,112 @@ launcher SIGKILLs the other ranks within its 5 s poll once a child has died; the
 machine and is far below any timeout."""
 
 
-def test_a_killed_rank_ends_every_rank_at_once_and_the_relaunch_continues_from_last(tmp_path, corpus, saved):
-    """Rank 1 is SIGKILLed at step 7 under the default timeout: every rank is gone within seconds (not by a timeout),
-    and the relaunch with `--ckpt_path=last` continues from the step-5 checkpoint with the uninterrupted run's
-    losses."""
-    straight, _ = saved
-    ckpt, marker = tmp_path / "ckpt", tmp_path / "killed"
-    crash = callback("models.CrashOnce", step=7, marker=str(marker))
+@dataclass
+class KilledThenRestarted:
+    """What `killed_then_restarted` saw: how the job whose rank was killed ended, and the relaunch's logs."""
+
+    ended_after: float  # seconds from the kill until no process of the job was left (or the bound ran out)
+    left_running: list[str]  # the job's processes still alive then
+    returncode: int | None  # the launcher's exit status
+    stderr: str
+    relaunch: subprocess.CompletedProcess  # torchrun --max-restarts=1, crashed once more and restarted
+    crashed: Path  # the marker the relaunch's crash left
+    logs: Path  # the relaunch's CSV logs: version_0 its first attempt, version_1 the restarted one
+
+
+@pytest.fixture(scope="module")
+def killed_then_restarted(tmp_path_factory, corpus):
+    """One 4-process fault sequence shared by the two tests below (each launched both of its runs before):
+
+    1. hybrid.yaml through parallelkit's CLI; rank 1 is SIGKILLed at step 7 under the default timeout (checkpoints
+       every 5 steps, so `last` is step 5); the job is watched until every process is gone or
+       KILLED_RANK_BOUND_S has passed, then killed whole.
+    2. The relaunch with `--ckpt_path=last`, by `torchrun --max-restarts=1` as the README says (c10d rendezvous, the
+       rendezvous store not shared with the process group: torch 2.13 with gloo otherwise hands a restarted worker
+       the previous attempt's peer addresses, "Gloo connectFullMesh failed ... Connection refused";
+       pytorch/pytorch#135712). Its first attempt resumes from step 5 and trains steps 5-9 (checkpointing every 4:
+       step 8); rank 1 dies at step 10; torchrun restarts all 4 workers, which resume from step 8 and finish. The
+       CSV logger writes every step, so the first attempt's steps are on disk when it is killed.
+    """
+    root = tmp_path_factory.mktemp("killed_then_restarted")
+    ckpt, killed, crashed = root / "ckpt", root / "killed", root / "crashed"
+    crash = callback("models.CrashOnce", step=7, marker=str(killed))
     # max_steps as the uninterrupted run (the LR schedule depends on it); the crash comes long before it.
     overrides = [f"--trainer.max_steps={STEPS}", checkpoint_every(ckpt, 5, last=True), crash]
-    with training_in_background(tmp_path, corpus, tmp_path / "first", *overrides, until=marker) as job:
-        killed_at = marker.stat().st_mtime  # touched by rank 1 just before it SIGKILLs itself
+    with training_in_background(root, corpus, root / "first", *overrides, until=killed) as job:
+        killed_at = killed.stat().st_mtime  # touched by rank 1 just before it SIGKILLs itself
         with contextlib.suppress(subprocess.TimeoutExpired):
             job.job.wait(timeout=max(0.0, killed_at + KILLED_RANK_BOUND_S - time.time()))
         while job.session() and time.time() - killed_at < KILLED_RANK_BOUND_S:
             time.sleep(0.1)
         ended_after = time.time() - killed_at
-        assert job.session() == [], f"ranks still running {ended_after:.1f} s after the kill: {job.session()}"
-        assert job.job.returncode not in (None, 0), job.stderr()[-3000:]
-    print(f"every rank ended {ended_after:.1f} s after rank 1 was killed")
-    relaunch = [checkpoint_every(ckpt, 5, last=True), "--ckpt_path=last"]
-    stop = callback("models.StopAfter", step=7)  # max_steps stays 20: steps 5 and 6 as the uninterrupted run's
-    assert_ok(fit("hybrid.yaml", tmp_path / "relaunch", *common(corpus, tmp_path / "cache"), *relaunch, stop))
-    resumed = step_losses(tmp_path / "relaunch")
-    assert sorted(resumed) == [5, 6]  # from the step-5 checkpoint, not from scratch
+        left_running = job.session()
+        returncode = job.job.poll()
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node=4",
+        "--max-restarts=1",
+        "--rdzv-backend=c10d",
+        "--rdzv-endpoint=127.0.0.1:0",  # the rendezvous store binds a free port itself: none chosen here to lose
+        "-m",
+        "parallelkit.cli",
+        "fit",
+        "--config",
+        str(REPO / "configs" / "hybrid.yaml"),
+        *common(corpus, root / "cache"),
+        f"--trainer.logger.init_args.save_dir={root / 'relaunch'}",
+        "--trainer.logger.init_args.flush_logs_every_n_steps=1",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.strategy.timeout=30",
+        checkpoint_every(ckpt, 4, last=True),
+        callback("models.CrashOnce", step=10, marker=str(crashed)),
+        "--ckpt_path=last",
+    ]
+    relaunch = run(cmd, root, timeout=600, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
+    return KilledThenRestarted(
+        ended_after, left_running, returncode, job.stderr(), relaunch, crashed, root / "relaunch" / "hybrid"
+    )
+
+
+def test_a_killed_rank_ends_every_rank_at_once_and_the_relaunch_continues_from_last(saved, killed_then_restarted):
+    """Rank 1 is SIGKILLed at step 7 under the default timeout: every rank is gone within seconds (not by a timeout),
+    and the relaunch with `--ckpt_path=last` continues from the step-5 checkpoint with the uninterrupted run's
+    losses (the relaunch of `killed_then_restarted`: its first attempt, before its own crash at step 10)."""
+    straight, _ = saved
+    job = killed_then_restarted
+    assert job.left_running == [], f"ranks still running {job.ended_after:.1f} s after the kill: {job.left_running}"
+    assert job.returncode not in (None, 0), job.stderr[-3000:]
+    print(f"every rank ended {job.ended_after:.1f} s after rank 1 was killed")
+    resumed = step_losses(job.logs / "version_0")
+    assert sorted(resumed) == [5, 6, 7, 8, 9]  # from the step-5 checkpoint, not from scratch
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
 
 
-def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus, saved):
-    straight, _ = saved
+FSDP2 = [
+    "--trainer.devices=2",
+    '--trainer.strategy.mesh_shape=[[2, 1], ["fsdp", "tp"]]',
+    "--data.init_args.batch_size=4",
+]
+"""hybrid.yaml on [[2, 1]]: 2 processes, the same global batch of 8."""
+
+
+@pytest.fixture(scope="module")
+def straight_fsdp2(reference):
+    """The uninterrupted 20-step run on [[2, 1]]: what the fault tests that need no more than 2 processes (SIGTERM,
+    SIGKILL mid-save) compare their relaunches with, at 1e-6 as the same layout gives. Those tests ran on [[2, 2]];
+    a 2-process launch costs about half of a 4-process one on the CI's 2 cores."""
+    return reference("hybrid.yaml", *FSDP2).losses()
+
+
+def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus, straight_fsdp2):
+    """SIGTERM to every process of a sharded [[2, 1]] job (what SLURM or torchrun does): the ranks agree on a step,
+    save last.ckpt, exit 0, and the relaunch continues with the uninterrupted run's losses."""
+    straight = straight_fsdp2
     ckpt = tmp_path / "ckpt"
     with training_in_background(
-        tmp_path, corpus, tmp_path / "first", checkpoint_every(ckpt, 4), until=ckpt / "epoch=0-step=4.ckpt"
+        tmp_path, corpus, tmp_path / "first", *FSDP2, checkpoint_every(ckpt, 4), until=ckpt / "epoch=0-step=4.ckpt"
     ) as job:
         os.killpg(job.pid, signal.SIGTERM)  # what SLURM or torchrun does to every process of the job
         job.job.wait(timeout=120)
@@ -337,7 +414,7 @@ def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp
     assert (ckpt / "last.ckpt" / "meta.pt").is_file()
     stopped_at = max(step_losses(tmp_path / "first"))
     assert stopped_at < STEPS - 1
-    resume = ["--ckpt_path=last", checkpoint_every(ckpt, 4)]
+    resume = [*FSDP2, "--ckpt_path=last", checkpoint_every(ckpt, 4)]
     assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *common(corpus, tmp_path / "cache"), *resume))
     resumed = step_losses(tmp_path / "resumed")
     assert min(resumed) == stopped_at + 1  # the step after the last one trained: nothing lost, nothing repeated
@@ -376,12 +453,18 @@ def test_sigterm_under_ddp_comm_saves_last_exits_cleanly_and_the_relaunch_loses_
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
 
 
-def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_for_last(tmp_path, corpus, saved):
-    """Rank 1 is SIGKILLed while the step-8 checkpoint is being written: the job fails, the half-written save stays
-    under its staging name, and `--ckpt_path=last` resumes from step 4 exactly as the uninterrupted run."""
-    straight, _ = saved
+def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_for_last(tmp_path, corpus, straight_fsdp2):
+    """Rank 1 of a sharded [[2, 1]] job is SIGKILLed while the step-8 checkpoint is being written: the job fails,
+    the half-written save stays under its staging name, and `--ckpt_path=last` resumes from step 4 exactly as the
+    uninterrupted run."""
+    straight = straight_fsdp2
     ckpt = tmp_path / "ckpt"
-    run = [*common(corpus, tmp_path / "cache"), "--trainer.strategy.timeout=30", checkpoint_every(ckpt, 4, last=True)]
+    run = [
+        *common(corpus, tmp_path / "cache"),
+        *FSDP2,
+        "--trainer.strategy.timeout=30",
+        checkpoint_every(ckpt, 4, last=True),
+    ]
     killer = '--trainer.callbacks+={"class_path": "models.KillDuringSave", "init_args": {"step": 8}}'
     killed = fit("hybrid.yaml", tmp_path / "killed", *run, killer, timeout=300)
     assert killed.returncode != 0
@@ -394,40 +477,15 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_for_last
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
 
 
-def test_torchrun_max_restarts_relaunches_a_crashed_job_from_the_last_checkpoint(tmp_path, corpus, saved):
+def test_torchrun_max_restarts_relaunches_a_crashed_job_from_the_last_checkpoint(saved, killed_then_restarted):
     """Rank 1 dies at step 10; torchrun restarts all 4 workers, which resume from the step-8 checkpoint and finish
-    with the uninterrupted run's losses. Launched as the README says: c10d rendezvous, and the rendezvous store not
-    shared with the process group (torch 2.13 with gloo otherwise hands a restarted worker the previous attempt's
-    peer addresses: "Gloo connectFullMesh failed ... Connection refused"; pytorch/pytorch#135712)."""
+    with the uninterrupted run's losses. Launched as the README says (see `killed_then_restarted`: this is its
+    relaunch, whose first attempt resumed the killed-rank job's step-5 checkpoint)."""
     straight, _ = saved
-    crash = (
-        '--trainer.callbacks+={"class_path": "models.CrashOnce", "init_args": '
-        f'{{"step": 10, "marker": "{tmp_path / "crashed"}"}}}}'
-    )
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node=4",
-        "--max-restarts=1",
-        "--rdzv-backend=c10d",
-        "--rdzv-endpoint=127.0.0.1:0",  # the rendezvous store binds a free port itself: none chosen here to lose
-        "-m",
-        "parallelkit.cli",
-        "fit",
-        "--config",
-        str(REPO / "configs" / "hybrid.yaml"),
-        *common(corpus, tmp_path / "cache"),
-        f"--trainer.logger.init_args.save_dir={tmp_path}",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.strategy.timeout=30",
-        checkpoint_every(tmp_path / "ckpt", 4, last=True),
-        crash,
-        "--ckpt_path=last",
-    ]
-    assert_ok(run(cmd, tmp_path, timeout=600, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1"))
-    assert (tmp_path / "crashed").exists()  # the fault did happen
-    resumed = step_losses(tmp_path)  # the restarted attempt's log (the newest version)
+    job = killed_then_restarted
+    assert_ok(job.relaunch)
+    assert job.crashed.exists()  # the fault did happen
+    resumed = step_losses(job.logs / "version_1")  # the restarted attempt's log
     assert sorted(resumed) == list(range(8, STEPS))
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
 
@@ -463,10 +521,11 @@ def test_a_single_file_checkpoint_round_trips_and_loads_in_another_layout(tmp_pa
         assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6 if name == "same" else 1e-5)
 
 
-def test_2x2_resume_mid_epoch_continues_exactly(tmp_path, corpus, saved):
-    losses, ckpt = saved
-    assert_ok(fit("hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache"), f"--ckpt_path={ckpt}"))
-    resumed = step_losses(tmp_path)
+def test_2x2_resume_mid_epoch_continues_exactly(saved, resumed_2x2):
+    """The shared [[2, 2]] run resumed from its step-10 checkpoint (the run `resumed_2x2` makes: the checkpoint is
+    found as `last`) gives the uninterrupted run's steps 10-19."""
+    losses, _ = saved
+    resumed = resumed_2x2
     assert sorted(resumed) == list(range(10, STEPS))
     assert_same_losses({s: losses[s] for s in resumed}, resumed, rtol=1e-6)
 
