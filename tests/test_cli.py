@@ -46,22 +46,24 @@ def test_help_lists_lightning_subcommands_and_tools(tmp_path: Path):
         assert word in proc.stdout
 
 
-def test_ddp_two_processes_matches_single_process_losses_per_step(tmp_path: Path, corpus: Path):
+def test_ddp_two_processes_matches_single_process_losses_per_step(tmp_path: Path, corpus: Path, baseline):
+    """Lightning's DDP on 2 processes against the session's single-process run with the same validation (every 10
+    steps, 3 batches: conftest.SINGLE_PROCESS["val"])."""
     common = [
         "--trainer.max_steps=20",
         "--trainer.val_check_interval=10",
-        "--trainer.limit_val_batches=2",
+        "--trainer.limit_val_batches=3",
         f"--data.init_args.paths={corpus}",
         f"--data.init_args.cache_dir={tmp_path / 'cache'}",
     ]
-    assert_ok(fit("single.yaml", tmp_path / "single", *common))
     assert_ok(fit("ddp.yaml", tmp_path / "ddp", *common))
-    single, ddp = step_losses(tmp_path / "single"), step_losses(tmp_path / "ddp")
+    single_run = baseline("val")
+    single, ddp = single_run.losses(), step_losses(tmp_path / "ddp")
     assert sorted(single) == sorted(ddp) == list(range(20))
     for step in single:
         assert abs(ddp[step] - single[step]) <= 1e-5 * abs(single[step]), (step, single[step], ddp[step])
     assert single[19] < single[0] - 1.0  # it learns
-    val_single, val_ddp = step_losses(tmp_path / "single", "val_loss"), step_losses(tmp_path / "ddp", "val_loss")
+    val_single, val_ddp = single_run.losses("val_loss"), step_losses(tmp_path / "ddp", "val_loss")
     assert val_single.keys() == val_ddp.keys() and len(val_single) == 2
     for step in val_single:
         assert abs(val_ddp[step] - val_single[step]) <= 1e-5 * val_single[step]
