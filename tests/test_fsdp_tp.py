@@ -293,9 +293,9 @@ def test_optimizer_and_lr_scheduler_from_the_command_line_step_the_sharded_param
 
 
 def test_auto_mesh_takes_the_planners_layout_and_keeps_parity(tmp_path, corpus, baseline):
-    proc = fit(
-        "hybrid.yaml", tmp_path / "auto", *common(corpus, tmp_path / "cache"), "--trainer.strategy.mesh_shape=auto"
-    )
+    per_rank = 2  # the planner's choice for hybrid.yaml on 4 processes is [[4, 1]]: a global batch of 8
+    auto = ["--trainer.strategy.mesh_shape=auto", f"--data.init_args.batch_size={per_rank}"]
+    proc = fit("hybrid.yaml", tmp_path / "auto", *common(corpus, tmp_path / "cache"), *auto)
     assert_ok(proc)
     line = next(line for line in (proc.stdout + proc.stderr).splitlines() if "mesh_shape='auto' -> " in line)
     mesh = json.loads(line.split("-> ", 1)[1].split(":", 1)[0])
@@ -303,16 +303,16 @@ def test_auto_mesh_takes_the_planners_layout_and_keeps_parity(tmp_path, corpus, 
     dp = 1
     for size, axis in zip(*mesh):
         dp *= size if axis in ("replicate", "fsdp") else 1
-    # The same global batch in one process: hybrid.yaml's 4 per data-parallel rank. A global batch of 8 is the
-    # session's single-process baseline (20 steps, as this run).
-    if 4 * dp == 8:
+    # The same global batch in one process. A global batch of 8 is the session's single-process baseline (20 steps,
+    # as this run); another layout gets its own single-process run.
+    if per_rank * dp == 8:
         expected = baseline("plain").losses()
     else:
         single = fit(
             "single.yaml",
             tmp_path / "single",
             *common(corpus, tmp_path / "cache"),
-            f"--data.init_args.batch_size={4 * dp}",
+            f"--data.init_args.batch_size={per_rank * dp}",
         )
         assert_ok(single)
         expected = step_losses(tmp_path / "single")
