@@ -65,6 +65,7 @@ def test_private_attributes_exist_on_the_objects_that_hold_them():
     trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
     assert isinstance(trainer.fit_loop._skip_backward, bool)  # compat.skip_loop_backward
     assert trainer._signal_connector.received_sigterm is False  # compat.note_sigterm
+    assert callable(trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor)  # compat.skip_sigterm_broadcast
     strategy = ModelParallelStrategy(save_distributed_checkpoint=False)
     assert strategy._device_mesh is None  # compat.set_device_mesh
     assert strategy._save_distributed_checkpoint is False  # compat.saves_distributed_checkpoint

@@ -118,6 +118,13 @@ def note_sigterm(trainer: L.Trainer) -> None:
     trainer._signal_connector.received_sigterm = True
 
 
+def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
+    """Stop the training loop's blocking broadcast of rank 0's SIGTERM flag before every step: `PreemptionCheckpoint`
+    already raises the flag on every rank at the same step, which the loop then turns into `SIGTERMException` at
+    the end of that step as before."""
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
+
+
 # -- torch -------------------------------------------------------------------------------------------------------
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """One mesh axis named `name` spanning every axis of `mesh` (a sub-mesh of the root). torch 2.13:

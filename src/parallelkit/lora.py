@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
 from parallelkit.errors import ConfigError
 
@@ -257,8 +257,10 @@ class _AdaptedStyle(ParallelStyle):
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         # Out of the module while torch's style splits it: its partition functions shard every parameter alike.
-        held = {name: module._parameters.pop(name) for name in ADAPTER_PARAMETERS}
-        self.base._apply(module, device_mesh)
+        held = {name: getattr(module, name) for name in ADAPTER_PARAMETERS}
+        for name in held:
+            delattr(module, name)
+        parallelize_module(module, device_mesh, self.base)
         for (name, param), placement in zip(held.items(), self.placements):
             dist = distribute_tensor(param.detach(), device_mesh, [placement])
             module.register_parameter(name, nn.Parameter(dist, requires_grad=param.requires_grad))

@@ -189,17 +189,18 @@ def test_outer_step_is_nesterov_sgd_on_the_replicas_mean_pseudo_gradient(windows
 
 
 def test_sigterm_between_syncs_saves_last_and_the_relaunch_continues_exactly(tmp_path, corpus, windows):
-    """Preempted at step 6, half-way between the syncs of steps 4 and 8, when the replicas' weights and inner
-    optimizers differ and the outer momentum holds a sync's worth: the job saves last.ckpt and exits 0, and the
-    relaunch trains steps 6-11 with the uninterrupted run's losses."""
+    """Preempted after step 6 (SIGTERM to every rank), between the syncs of steps 4 and 8, when the replicas' weights
+    and inner optimizers differ and the outer momentum holds a sync's worth: the ranks agree to stop at the end of
+    the next step (their agreement is read one step late, so as not to wait for it), save last.ckpt and exit 0, and
+    the relaunch trains steps 7-11 with the uninterrupted run's losses."""
     straight, _ = windows
     ckpt = tmp_path / "ckpt"
     sigterm = '--trainer.callbacks+={"class_path": "diloco_callbacks.SigtermAt", "init_args": {"step": 6}}'
     first = fit(CONFIG, tmp_path / "first", corpus, *WINDOWS, keep_checkpoints_in(ckpt), sigterm)["train_loss"]
-    assert (ckpt / "last.ckpt" / "meta.pt").is_file() and sorted(first) == list(range(6))
+    assert (ckpt / "last.ckpt" / "meta.pt").is_file() and sorted(first) == list(range(7))
     resumed = fit(CONFIG, tmp_path / "resumed", corpus, *WINDOWS, keep_checkpoints_in(ckpt), "--ckpt_path=last")
-    assert sorted(resumed["train_loss"]) == list(range(6, 12))
-    assert_same({s: straight[s] for s in range(6, 12)}, resumed["train_loss"], rtol=1e-6)
+    assert sorted(resumed["train_loss"]) == list(range(7, 12))
+    assert_same({s: straight[s] for s in range(7, 12)}, resumed["train_loss"], rtol=1e-6)
 
 
 def test_mesh_without_replicate_axis_is_refused_with_a_fix(tmp_path):

@@ -13,7 +13,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from parallelkit.compat import note_sigterm
+from parallelkit.compat import note_sigterm, skip_sigterm_broadcast
 
 
 class PreemptionCheckpoint(L.Callback):
@@ -25,18 +25,23 @@ class PreemptionCheckpoint(L.Callback):
     signalled that way hung. Lightning's loop also raises `SIGTERMException` at the end of a step on any rank that
     has the flag, whether or not the others have it yet: a signal that reaches rank 0 just after rank 1 finished
     that check sent rank 0 into the save while rank 1 went on to the next step's broadcast, and the job hung
-    (seen under `ddp_comm` on a loaded 2-core machine). So the ranks agree first: after every batch they
-    all-reduce the noted flag (max, one integer), and only then is it raised in the trainer, on every rank at
-    once; every rank raises `SIGTERMException` at the same step, and the save below is collective, as a sharded
-    save must be. A signal that reaches any one rank stops the job. Every strategy parallelkit ships adds this
-    callback itself: those built on `ParallelkitStrategy` (plugins' included, e.g. DiLoCo) and `ddp_comm`.
+    (seen under `ddp_comm` on a loaded 2-core machine). So the ranks agree first: at the end of every batch they
+    all-reduce the noted flag (max, one integer), without waiting for it: the result is read at the end of the next
+    batch, and only then is the flag raised in the trainer, on every rank at once; every rank raises
+    `SIGTERMException` at the same step (the one after the signal), and the save below is collective, as a sharded
+    save must be. A signal that reaches any one rank stops the job. Since every rank raises the flag itself, the
+    loop's own broadcast of rank 0's flag before each step (a blocking collective) is left out. Every strategy
+    parallelkit ships adds this callback itself: those built on `ParallelkitStrategy` (plugins' included, e.g.
+    DiLoCo) and `ddp_comm`.
     """
 
     def __init__(self) -> None:
         self.signalled = False
+        self._pending: tuple[dist.Work, torch.Tensor] | None = None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._pending = None
         if threading.current_thread() is not threading.main_thread():
             return
 
@@ -45,18 +50,39 @@ class PreemptionCheckpoint(L.Callback):
 
         # Lightning restores the previous handlers when the trainer tears down.
         signal.signal(signal.SIGTERM, on_sigterm)
+        if self._distributed(trainer):
+            skip_sigterm_broadcast(trainer)
+
+    @staticmethod
+    def _distributed(trainer: L.Trainer) -> bool:
+        return trainer.world_size > 1 and dist.is_initialized()
 
     @override
     def on_train_batch_end(
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: object, batch: object, batch_idx: int
     ) -> None:
-        signalled = self.signalled
-        if trainer.world_size > 1 and dist.is_initialized():
-            flag = torch.tensor([int(signalled)], device=trainer.strategy.root_device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            signalled = bool(flag.item())
-        if signalled:
-            note_sigterm(trainer)  # Lightning's loop raises SIGTERMException at the end of this step
+        if not self._distributed(trainer):
+            if self.signalled:
+                note_sigterm(trainer)  # Lightning's loop raises SIGTERMException at the end of this step
+            return
+        if self._agreed():
+            note_sigterm(trainer)
+            return
+        flag = torch.tensor([int(self.signalled)], device=trainer.strategy.root_device)
+        self._pending = (dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True), flag)
+
+    def _agreed(self) -> bool:
+        """Whether any rank had noted the signal at the end of the previous batch (waits for that all-reduce)."""
+        if self._pending is None:
+            return False
+        work, flag = self._pending
+        self._pending = None
+        work.wait()
+        return bool(flag.item())
+
+    @override
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._agreed()  # no collective left in flight; a signal during the last step finds the run complete
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:

@@ -433,7 +433,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
     def lightning_module_state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
-        full = not self._save_distributed_checkpoint
+        full = not self.save_distributed_checkpoint
         options = StateDictOptions(full_state_dict=full, cpu_offload=True, ignore_frozen_params=self.adapters_only)
         return get_model_state_dict(self.model, options=options)
 
