@@ -280,9 +280,9 @@ def apply_tensor_parallel(
     """Shard `model` in place over the 1-D `tp_mesh` following its plan.
 
     Frozen parameters stay frozen (a LoRA model's base weights). Tied weights (an input embedding shared with the
-    output head) stay tied: torch's styles replace each module's
-    parameters on their own, so the first name's sharded parameter is put back under the others. Their styles
-    must shard them alike (vocab_embedding and vocab_head both split the vocabulary rows).
+    output head) stay tied: torch's styles replace each module's parameters on their own, so the first name's
+    sharded parameter is put back under the others. Their styles must shard them alike (vocab_embedding and
+    vocab_head both split the vocabulary rows).
     """
     from torch.distributed.tensor.parallel import parallelize_module
 
