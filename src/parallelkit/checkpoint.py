@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from parallelkit.errors import ParallelkitError
+from parallelkit.lora import is_adapter
 
 MODEL_PREFIX = "state_dict."
 """DCP key prefix of model tensors in a Lightning checkpoint directory (optimizer states use `optimizer_<i>.`)."""
@@ -136,7 +137,7 @@ def check_compatible(
             problems.append(f"{name} is {tuple(shapes[name])} in the checkpoint but {tuple(tensor.shape)} in the model")
     if problems:
         shown = "; ".join(problems[:8]) + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-        adapters_only = bool(shapes) and all(k.endswith((".lora_A", ".lora_B")) for k in shapes)
+        adapters_only = bool(shapes) and all(is_adapter(k) for k in shapes)
         hint = " (it holds LoRA adapters only: give the model the lora settings it was trained with)" * adapters_only
         raise CheckpointError(
             f"checkpoint {ckpt} does not fit {model_class_name(model)}: {shown}. Load it into the model "

@@ -15,7 +15,7 @@ import json
 import shutil
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from parallelkit.checkpoint import (
 from parallelkit.compat import local_box
 from parallelkit.errors import ConfigError
 from parallelkit.init import tied_parameters
+from parallelkit.lora import is_adapter
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -230,7 +231,7 @@ def export_hf(
             "parallelkit consolidate."
         )
     lora = hparams.get("lora")
-    adapted = sorted(k[: -len(".lora_A")] for k in entries if k.endswith(".lora_A"))
+    adapted = sorted({k.rpartition(".")[0] for k in entries if is_adapter(k)})
     if adapters and not adapted:
         raise CheckpointError(
             f"{ckpt} holds no LoRA adapters (its run had no model.init_args.lora). Fix: export it without --adapters."
@@ -266,11 +267,11 @@ def export_hf(
     return out
 
 
-class _Tensors:
+class _Tensors(NamedTuple):
     """The model's tensors to export, by checkpoint key: `entries` {key: (shape, dtype)}, `load(keys)` -> tensors."""
 
-    def __init__(self, entries: dict[str, tuple[tuple[int, ...], torch.dtype]], load: Callable[..., Any]) -> None:
-        self.entries, self.load = entries, load
+    entries: dict[str, tuple[tuple[int, ...], torch.dtype]]
+    load: Callable[[Iterable[str]], dict[str, torch.Tensor]]
 
 
 def _merged_tensors(
@@ -304,6 +305,7 @@ def _merged_tensors(
         name = key[len(HF_MODULE) :]
         merged[key] = (pretrained.shape(name), pretrained.entries[name][1])
     scaling = lora["alpha"] / lora["rank"]
+    factors = load([f"{module}.{part}" for module in adapted for part in ("lora_A", "lora_B")])  # small: read once
 
     def load_merged(keys: Iterable[str]) -> dict[str, torch.Tensor]:
         keys = list(keys)
@@ -314,7 +316,7 @@ def _merged_tensors(
                 out[key] = pretrained.read(name, tuple(slice(0, n) for n in pretrained.shape(name)))
         for module in adapted:
             if f"{module}.weight" in out:
-                a, b = load([f"{module}.lora_A", f"{module}.lora_B"]).values()
+                a, b = factors[f"{module}.lora_A"], factors[f"{module}.lora_B"]
                 weight = out[f"{module}.weight"]
                 out[f"{module}.weight"] = (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
         return out
