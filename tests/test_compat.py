@@ -94,6 +94,9 @@ def test_private_tensor_apis_still_answer():
     block(torch.ones(1, 2, requires_grad=True)).sum().backward()
     from torch.distributed._functional_collectives import AsyncCollectiveTensor  # compat.settle_async_collectives
 
+    assert not compat.saved_tensors_hooks_active()
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        assert compat.saved_tensors_hooks_active()
     pending = AsyncCollectiveTensor(torch.ones(2, requires_grad=True))
     settled = compat.settle_async_collectives({"x": (pending, 1)})
     assert type(settled["x"][0]) is torch.Tensor and settled["x"][1] == 1

@@ -159,6 +159,13 @@ def settle_async_collectives(tree: Any) -> Any:
     return tree_map_only(AsyncCollectiveTensor, lambda tensor: tensor.clone(), tree)
 
 
+def saved_tensors_hooks_active() -> bool:
+    """Whether a `torch.autograd.graph.saved_tensors_hooks` context is active (the innermost one's hooks exist)."""
+    import torch
+
+    return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+
+
 def dispatch_mode_class() -> type:
     """torch's `TorchDispatchMode`: sees every aten op, the c10d collectives included."""
     from torch.utils._python_dispatch import TorchDispatchMode
