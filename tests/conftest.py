@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import csv
+import hashlib
 import json
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -46,6 +48,9 @@ def free_port() -> int:
 def subprocess_env(**extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning", WANDB_MODE="offline")
+    # Lightning's launcher would pick a port in the ephemeral range (see free_port), where another test's gloo
+    # connections may take it first: tests run two at a time (pytest-xdist).
+    env["MASTER_PORT"] = str(free_port())
     # tests/ on the path so configs can name test-only classes (tests/models.py) by class_path.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
     if "PYTHONPATH" in extra:
@@ -137,6 +142,41 @@ def assert_same_losses(expected: dict[int, float], actual: dict[int, float], rto
         assert abs(actual[step] - value) <= rtol * abs(value), f"step {step}: {value} vs {actual[step]}"
 
 
+def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
+    """The directory `name`, filled by `make(directory)` in the first of the session's pytest processes that asks for
+    it: pytest-xdist's workers share one temporary root, and a run one worker made (a baseline, a shared launch) is
+    read by the others instead of being made again. A `make` that fails leaves nothing for the next to read."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    directory, done = root / "shared" / name, root / "shared" / f"{name}.done"
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(f"{directory}.lock"):
+        if not done.exists():
+            if directory.exists():
+                shutil.rmtree(directory)
+            directory.mkdir()
+            make(directory)
+            done.touch()
+    return directory
+
+
+SERIAL_GROUP = "installed-environment"
+"""Tests that uninstall and reinstall a plugin in this environment, or that read the installed plugins or every
+warning a run prints: run one after another on one worker, so no other test's process sees a plugin half-installed."""
+SERIAL_FILES = ("test_plugins.py", "test_output.py", "test_diloco.py", "test_template.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Under pytest-xdist's `loadgroup`, each test file runs whole on one worker (its module fixtures are made once)
+    and the SERIAL_FILES together; without xdist the marks do nothing."""
+    for item in items:
+        file = item.path.name
+        item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP if file in SERIAL_FILES else file))
+
+
 CORPUS_CHARS = 400_000
 
 
@@ -148,12 +188,13 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     whose bounds depend on it (reduced-precision gradients against fp32) passed or failed with unrelated changes."""
     from parallelkit.data.text import default_corpus_files
 
-    text, files = "", iter(default_corpus_files())
-    while len(text) < CORPUS_CHARS:
-        text += next(files).read_text()
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text(text[:CORPUS_CHARS])
-    return path
+    def make(directory: Path) -> None:
+        text, files = "", iter(default_corpus_files())
+        while len(text) < CORPUS_CHARS:
+            text += next(files).read_text()
+        (directory / "corpus.txt").write_text(text[:CORPUS_CHARS])
+
+    return made_once(tmp_path_factory, "corpus", make) / "corpus.txt"
 
 
 SINGLE_PROCESS = {
@@ -180,17 +221,15 @@ class Reference:
 def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Callable[..., Reference]:
     """`reference(config, *overrides)`: a 20-step run of configs/<config> that checkpoints at step 10, made on first
     use and shared by every test of the session that compares with the same run."""
-    root = tmp_path_factory.mktemp("reference")
-    made: dict[tuple[str, ...], Reference] = {}
+
+    def make(run: Path, config: str, overrides: tuple[str, ...]) -> None:
+        checkpoint = checkpoint_every(run / "ckpt", 10)
+        assert_ok(fit(config, run / "log", *common(corpus, run / "cache"), checkpoint, *overrides))
 
     def get(config: str, *overrides: str) -> Reference:
-        key = (config, *overrides)
-        if key not in made:
-            run = root / str(len(made))
-            checkpoint = checkpoint_every(run / "ckpt", 10)
-            assert_ok(fit(config, run / "log", *common(corpus, root / "cache"), checkpoint, *overrides))
-            made[key] = Reference(run / "log", run / "ckpt" / "epoch=0-step=10.ckpt")
-        return made[key]
+        key = hashlib.sha1(json.dumps([config, *overrides]).encode()).hexdigest()[:12]
+        run = made_once(tmp_path_factory, f"reference-{key}", lambda run: make(run, config, overrides))
+        return Reference(run / "log", run / "ckpt" / "epoch=0-step=10.ckpt")
 
     return get
 
@@ -215,19 +254,21 @@ def fsdp4_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     training-state bytes at the end (`models.StateBytes`, under `<dir>/state`): its CSV log directory. One launch for
     test_comm.py's fp32 runs and test_fsdp_tp.py's sharded training-state measure, which each made it before (the
     monitor and the callback only observe: the losses stay one process's)."""
-    root = tmp_path_factory.mktemp("fsdp4_fp32")
-    assert_ok(
-        fit(
-            "hybrid.yaml",
-            root,
-            *common(corpus, root / "cache"),
-            *FSDP4,
-            "--trainer.strategy.comm_precision=fp32",
-            "--trainer.strategy.profile_communication=true",
-            callback("models.StateBytes", out_dir=str(root / "state")),
+
+    def make(root: Path) -> None:
+        assert_ok(
+            fit(
+                "hybrid.yaml",
+                root,
+                *common(corpus, root / "cache"),
+                *FSDP4,
+                "--trainer.strategy.comm_precision=fp32",
+                "--trainer.strategy.profile_communication=true",
+                callback("models.StateBytes", out_dir=str(root / "state")),
+            )
         )
-    )
-    return root
+
+    return made_once(tmp_path_factory, "fsdp4_fp32", make)
 
 
 @pytest.fixture(scope="session")
@@ -235,11 +276,13 @@ def ddp_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     """configs/ddp.yaml (2 processes) under parallelkit's DDPStrategy (the `ddp_comm` preset's class) with the fp32
     hook (its default) and profile_communication, 20 steps: its CSV log directory. One launch for test_comm.py's DDP
     hook test and the uninterrupted run test_checkpoint.py's ddp_comm SIGTERM test compares with."""
-    root = tmp_path_factory.mktemp("ddp_fp32")
     ddp = [
         "--trainer.strategy=parallelkit.DDPStrategy",
         "--trainer.strategy.comm_precision=fp32",
         "--trainer.strategy.profile_communication=true",
     ]
-    assert_ok(fit("ddp.yaml", root, *common(corpus, root / "cache"), *ddp))
-    return root
+
+    def make(root: Path) -> None:
+        assert_ok(fit("ddp.yaml", root, *common(corpus, root / "cache"), *ddp))
+
+    return made_once(tmp_path_factory, "ddp_fp32", make)
