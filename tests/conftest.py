@@ -162,19 +162,24 @@ def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callabl
     return directory
 
 
-SERIAL_GROUP = "installed-environment"
-"""Tests that uninstall and reinstall a plugin in this environment, or that read the installed plugins or every
-warning a run prints: run one after another on one worker, so no other test's process sees a plugin half-installed."""
 SERIAL_FILES = ("test_plugins.py", "test_output.py", "test_diloco.py", "test_template.py")
+"""Test files that uninstall and reinstall a plugin in this environment, or read the installed plugins or every
+warning a run prints: under pytest-xdist they run one after another on one worker, so that no other test's process
+meets a plugin half-installed."""
 
 
-@pytest.hookimpl(tryfirst=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist's `loadgroup`, each test file runs whole on one worker (its module fixtures are made once)
-    and the SERIAL_FILES together; without xdist the marks do nothing."""
-    for item in items:
-        file = item.path.name
-        item.add_marker(pytest.mark.xdist_group(SERIAL_GROUP if file in SERIAL_FILES else file))
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    """`--dist loadfile` (pyproject's addopts), with SERIAL_FILES as one file: each worker runs whole files, so a
+    file's module fixtures are made once."""
+    from xdist.scheduler import LoadFileScheduling
+
+    class ByFile(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            file = nodeid.split("::", 1)[0]
+            return "SERIAL_FILES" if Path(file).name in SERIAL_FILES else file
+
+    return ByFile(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 CORPUS_CHARS = 400_000
