@@ -324,7 +324,9 @@ class PipelineStrategy(ParallelkitStrategy):
                 "pipeline_layers and cannot split a model that parallelised itself. Remove configure_model() "
                 "or use strategy='fsdp_tp'."
             )
-        pipeline_layer_names(model, contract)
+        layers = pipeline_layer_names(model, contract)
+        if self.mesh_spec is not None:  # too few layers for the stages, bad split points: named before launch
+            split_stages(model, layers, self.num_stages, self.split_points)
         if contract.loss is None:
             raise PlanError(
                 f"{contract.description} has no pipeline_loss(output, target): the last pipeline stage needs it to "
