@@ -390,8 +390,9 @@ def apply_compile(units: list[Unit], backend: str, checkpointed: Sequence[nn.Mod
     it, and parameter names, so checkpoints, are those of the eager model. Checkpointing is traced with the block,
     not hooked around it. While saved-tensor hooks are active (e.g. the activation monitors' ledger) the compiled code
     runs under hooks of its own that keep each tensor as it is: torch 2.13's dynamo traces the active hooks and fails
-    on FSDP's DTensor parameters; so activation monitors do not see what compiled blocks save for backward. Only then:
-    those hooks cost 3-5% of a block's step on CPU (and a second compilation, which dynamo's guards make).
+    on FSDP's DTensor parameters; so activation monitors do not see what compiled blocks save for backward. Only then,
+    as they cost 3-5% of a block's step on CPU (a run that has both compiles the blocks a second time: dynamo's guards
+    check the active hooks).
     """
     import functools
 
