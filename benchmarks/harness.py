@@ -7,6 +7,7 @@ itself under torchrun (one job per layout) and, when the workers are done, gathe
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import platform
@@ -55,6 +56,15 @@ def launch(script: str, nproc: int, args: Sequence[str], out: Path) -> None:
 
 def accelerator() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def summed_over_ranks(values: Sequence[float]) -> list[float]:
+    """Each value summed over every process of the job (on the accelerator: nccl reduces device tensors only)."""
+    import torch.distributed as dist
+
+    t = torch.tensor(values, dtype=torch.float64, device=accelerator())
+    dist.all_reduce(t)
+    return t.tolist()
 
 
 def machine() -> dict[str, Any]:
@@ -111,7 +121,14 @@ class StepClock(L.Callback):
     def __init__(self) -> None:
         self.times: list[float] = []
         self.cpu_times: list[float] = []
+        self.first_step_s: float | None = None  # from `start()` to the first step's end: compilation shows here
+        self._start: float | None = None
         self._last: tuple[float, float] | None = None
+
+    def start(self) -> None:
+        """Mark the start of training."""
+        synchronize()
+        self._start = time.perf_counter()
 
     def tick(self) -> None:
         """Mark the end of a step."""
@@ -120,7 +137,12 @@ class StepClock(L.Callback):
         if self._last is not None:
             self.times.append(now[0] - self._last[0])
             self.cpu_times.append(now[1] - self._last[1])
+        elif self._start is not None:
+            self.first_step_s = now[0] - self._start
         self._last = now
+
+    def on_train_start(self, trainer: L.Trainer, *args: Any) -> None:
+        self.start()
 
     def on_train_batch_end(self, trainer: L.Trainer, *args: Any) -> None:
         self.tick()
@@ -166,7 +188,11 @@ def peak_memory_mb() -> float | None:
 
 
 def reset_peak_memory() -> None:
+    """Start a variant's peak from what is live now: the last variant's model and optimizer collected first (its
+    Trainer holds reference cycles), else they would count in this one's peak."""
     if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
 
 

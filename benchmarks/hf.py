@@ -28,7 +28,7 @@ variants are not doing the same work.
 The variants take turns inside one job (a, b, c, then b, c, a, ...), so drift in the machine's speed hits all
 three alike. Step time is the wall time between the ends of consecutive optimizer steps (data loading and the
 loop included); the first `--warmup` steps of every turn are dropped. CPU time per step is every process's, summed
-(other jobs on the machine disturb it less than wall time). Writes results/hf.{json,png}.
+(other jobs on the machine disturb it less than wall time). Writes results/hf.{json,png} (hf_cuda.* on a GPU).
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ import json
 import math
 import os
 import statistics
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -58,6 +59,7 @@ from harness import (
     peak_memory_mb,
     quiet_trainer,
     reset_peak_memory,
+    summed_over_ranks,
     write,
 )
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -221,9 +223,7 @@ def run_accelerate(args: argparse.Namespace) -> StepRecorder:
 
 def rank_mean(values: list[float]) -> list[float]:
     """Each step's loss averaged over ranks: the loss of the global batch (every rank holds as many tokens)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
+    return [v / dist.get_world_size() for v in summed_over_ranks(values)]
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -246,12 +246,11 @@ def worker(args: argparse.Namespace) -> None:
             losses.setdefault(variant, clock.losses)  # the first turn's; every turn trains the same steps
             memory[variant] = peak_memory_mb()
             dist.barrier()
-    cpu_medians = torch.tensor([statistics.median(cpu[v]) for v in VARIANTS])
-    dist.all_reduce(cpu_medians)  # the job's CPU time per step: every process's, summed
+    cpu_medians = summed_over_ranks([statistics.median(cpu[v]) for v in VARIANTS])  # the job's CPU time per step
     losses = {v: rank_mean(losses[v]) for v in VARIANTS}
     if dist.get_rank() == 0:
         pairs = [("parallelkit", "accelerate"), ("parallelkit", "lightning")]
-        cpu_s = dict(zip(VARIANTS, cpu_medians.tolist()))
+        cpu_s = dict(zip(VARIANTS, cpu_medians))
         result = compare(times, cpu_s, rounds, memory, args.global_batch * args.seq_len, pairs)
         reference = losses["parallelkit"]
         result["losses"] = {
@@ -267,9 +266,10 @@ def worker(args: argparse.Namespace) -> None:
 def draw(results: dict[str, Any]) -> None:
     args, load = results["args"], results["load_average_1min"]
     chart(
-        "hf",
+        results["name"],
         f"HF Llama {args['n_layer']}x{args['n_embd']}, FSDP2 over {args['nproc']} processes, fp32\n"
-        f"{results['machine']['cpu']}, 1-minute load average {load['start']:.1f} at start, {load['end']:.1f} at end",
+        f"{results['machine'].get('gpu', results['machine']['cpu'])}, 1-minute load average {load['start']:.1f} at "
+        f"start, {load['end']:.1f} at end",
         {
             "wall time per step (median)": {v: results[v]["median_s"] * 1000 for v in VARIANTS},
             "CPU time per step (all processes)": {v: results[v]["cpu_s"] * 1000 for v in VARIANTS},
@@ -301,7 +301,8 @@ def main() -> None:
     import transformers
 
     info = {**machine(), "transformers": transformers.__version__, "accelerate": accelerate.__version__}
-    results: dict[str, Any] = {"machine": info, "command": "python benchmarks/hf.py", "args": vars(args)}
+    command = " ".join(["python benchmarks/hf.py", *sys.argv[1:]])
+    results: dict[str, Any] = {"machine": info, "command": command, "args": vars(args)}
     names = ("repeats", "steps", "warmup", "n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "seq_len")
     load = os.getloadavg()[0]  # other jobs on the machine: the figures are only as quiet as it was
     with tempfile.TemporaryDirectory(prefix="parallelkit-bench-hf-") as directory:
@@ -310,7 +311,8 @@ def main() -> None:
         launch(__file__, args.nproc, [f"--pretrained={directory}", *forward(args, (*names, "global_batch"))], out)
         results |= json.loads(out.read_text())
     results["load_average_1min"] = {"start": load, "end": os.getloadavg()[0]}
-    write("hf", results)
+    results["name"] = "hf_cuda" if accelerator() == "cuda" else "hf"  # results/<name>.{json,png}
+    write(results["name"], results)
     draw(results)
     for v in VARIANTS:
         r = results[v]

@@ -11,8 +11,10 @@
 
 The variants take turns inside one job (a, b, c, then b, c, a, ...), so drift in the machine's speed hits all
 alike. Step time is the wall time between the ends of consecutive optimizer steps (data loading and the
-loop included); the first `--warmup` steps of every run are dropped. Writes results/strategies.{json,png}
-(results/strategies_sp_off.* with `--sequence-parallel off`).
+loop included); the first `--warmup` steps of every run are dropped, and the first step's own time (compilation
+included) is reported beside the medians. Writes results/strategies.{json,png}
+(`_sp_off` added to the name with `--sequence-parallel off`, `_bf16` with `--precision bf16-mixed`, `_cuda` on a GPU;
+`--name` sets it).
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ from harness import (
     peak_memory_mb,
     quiet_trainer,
     reset_peak_memory,
+    summed_over_ranks,
     write,
 )
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -132,7 +135,8 @@ def run_lightning(args: argparse.Namespace, spec: MeshSpec, variant: str) -> Ste
     else:
         model = HandWrittenGPT(sequence_parallel=args.sequence_parallel == "on", **model_kwargs(args))
         strategy = ModelParallelStrategy(data_parallel_size=spec.dp_size, tensor_parallel_size=spec.size("tp"))
-    quiet_trainer(strategy, args.warmup + args.steps, [clock]).fit(model, data(args, spec.dp_size))
+    trainer = quiet_trainer(strategy, args.warmup + args.steps, [clock], precision=args.precision)
+    trainer.fit(model, data(args, spec.dp_size))
     return clock
 
 
@@ -155,11 +159,14 @@ def run_raw(args: argparse.Namespace, spec: MeshSpec) -> StepClock:
     dp_rank = mesh["dp"].get_local_rank()
     sampler = GlobalBatchSampler(len(dm.train_set), dm.batch_size, dp, dp_rank, shuffle=True, seed=dm.seed)
     loader = DataLoader(dm.train_set, batch_size=dm.batch_size, sampler=sampler)
+    autocast = torch.autocast(device.type, torch.bfloat16, enabled=args.precision == "bf16-mixed")  # as Lightning's
     clock = StepClock()
+    clock.start()
     for _, (x, y) in zip(range(args.warmup + args.steps), loader):
         x, y = x.to(device), y.to(device)
         optimizer.zero_grad(set_to_none=True)
-        loss = model.pipeline_loss(model(x), y)
+        with autocast:
+            loss = model.pipeline_loss(model(x), y)
         loss.backward()
         optimizer.step()
         schedule.step()
@@ -176,6 +183,7 @@ def worker(args: argparse.Namespace) -> None:
     spec = MeshSpec.parse(args.layout).resolve(1, dist.get_world_size())
     times: dict[str, list[float]] = {v: [] for v in VARIANTS}
     cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    first: dict[str, list[float]] = {v: [] for v in VARIANTS}  # each turn's first step, compilation included
     rounds: list[dict[str, float]] = []  # per turn of all variants: each one's median step time
     memory: dict[str, float | None] = {}
     for rep in range(args.repeats):
@@ -186,15 +194,17 @@ def worker(args: argparse.Namespace) -> None:
             clock = run_raw(args, spec) if variant == "raw" else run_lightning(args, spec, variant)
             times[variant] += clock.times[args.warmup - 1 :]
             cpu[variant] += clock.cpu_times[args.warmup - 1 :]
+            first[variant].append(clock.first_step_s)
             rounds[-1][variant] = statistics.median(clock.times[args.warmup - 1 :])
             memory[variant] = peak_memory_mb()
             dist.barrier()
-    cpu_medians = torch.tensor([statistics.median(cpu[v]) for v in VARIANTS])
-    dist.all_reduce(cpu_medians)  # the job's CPU time per step: every process's, summed
+    cpu_medians = summed_over_ranks([statistics.median(cpu[v]) for v in VARIANTS])  # the job's CPU time per step
     if dist.get_rank() == 0:
         pairs = [("parallelkit", "lightning"), ("parallelkit", "raw"), ("parallelkit_compile", "lightning")]
-        cpu_s = dict(zip(VARIANTS, cpu_medians.tolist()))
+        cpu_s = dict(zip(VARIANTS, cpu_medians))
         result = compare(times, cpu_s, rounds, memory, args.global_batch * args.seq_len, pairs)
+        for v in VARIANTS:  # reported beside the medians, which leave the warm-up steps out
+            result[v]["first_step_s"] = statistics.median(first[v])
         Path(args.out).write_text(json.dumps(result))
     dist.destroy_process_group()
 
@@ -214,6 +224,13 @@ def main() -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=8)
     parser.add_argument("--sequence-parallel", choices=("on", "off"), default="on", help="with tp > 1 (default on)")
+    parser.add_argument(
+        "--precision",
+        choices=("32-true", "bf16-mixed"),
+        default="32-true",
+        help="bf16-mixed: parallelkit gathers bf16 parameters (FSDP2's policy); Lightning and the raw loop autocast",
+    )
+    parser.add_argument("--name", help="results file name (default: strategies, + _sp_off, _bf16, _cuda)")
     args = parser.parse_args()
     if in_worker():
         worker(args)
@@ -232,14 +249,24 @@ def main() -> None:
             "seq_len",
             "global_batch",
             "sequence_parallel",
+            "precision",
         )
         launch(__file__, args.nproc, [f"--layout={layout}", *forward(args, names)], out)
         results["layouts"][layout] = json.loads(out.read_text())
-    name = "strategies" if args.sequence_parallel == "on" else "strategies_sp_off"
+    name = args.name or "strategies" + "".join(
+        suffix
+        for suffix, on in (
+            ("_sp_off", args.sequence_parallel == "off"),
+            ("_bf16", args.precision == "bf16-mixed"),
+            ("_cuda", accelerator() == "cuda"),
+        )
+        if on
+    )
     write(name, results)
     chart(
         name,
-        f"median step time, GPT {args.n_layer}x{args.n_embd}, {args.nproc} processes ({results['machine']['cpu']})",
+        f"median step time, GPT {args.n_layer}x{args.n_embd}, {args.precision}, {args.nproc} processes "
+        f"({results['machine'].get('gpu', results['machine']['cpu'])})",
         {layout: {v: r[v]["median_s"] * 1000 for v in VARIANTS} for layout, r in results["layouts"].items()},
         "ms per step",
     )
@@ -248,6 +275,8 @@ def main() -> None:
             layout,
             {v: f"{r[v]['median_s'] * 1000:.1f} ms (IQR {r[v]['iqr_s'] * 1000:.1f})" for v in VARIANTS},
             r["ratios"],
+            "first step (compilation included):",
+            {v: f"{r[v]['first_step_s']:.2f} s" for v in VARIANTS},
         )
 
 
