@@ -7,6 +7,7 @@ from conftest import REPO, assert_ok, torchrun
 
 from parallelkit.errors import PlanError
 from parallelkit.models import GPT
+from parallelkit.models.gpt import rotary
 from parallelkit.plan import fsdp_units, matches, pipeline_layer_names, runnable_unit, tensor_parallel_plan
 
 
@@ -27,6 +28,23 @@ def test_gpt_is_causal():
     changed = x.clone()
     changed[0, 10] = (changed[0, 10] + 1) % 256
     torch.testing.assert_close(model(x)[:, :10], model(changed)[:, :10])
+
+
+def test_rotary_table_is_one_operator_in_a_compiled_graph():
+    """What torch.compile traces of rotary embedding: the cos/sin table as one operator (computed once per call),
+    not the angle, cosine and sine, which inductor would fuse into the kernel rotating every element of q and k
+    (measured: that made a compiled block slower than eager on CPU)."""
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    x = torch.randn(2, 4, 16, 8)
+    assert torch.equal(torch.compile(rotary, backend=keep_graph, fullgraph=True)(x), rotary(x))
+    traced = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op.startswith("call")]
+    assert any("rotary_table" in target for target in traced), traced
+    assert not any(target.split(".")[-1] in ("cos", "sin") for target in traced), traced
 
 
 def test_same_seed_gives_same_weights():

@@ -20,12 +20,28 @@ from parallelkit.lora import LoRA, add_adapters, as_lora, config_dict
 from parallelkit.models.lm import CausalLM
 
 
+@torch.library.custom_op("parallelkit::rotary_table", mutates_args=())
+def rotary_table(
+    seq: int, dim: int, base: float, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cosines and sines of rotary embedding's angles, (seq, dim / 2).
+
+    An operator of its own so that a compiled block computes this table once: traced inline, inductor fuses the
+    angle, cosine and sine into the kernel that rotates q and k, computing them again for every batch row and head
+    (measured on CPU: a compiled block 7% slower than eager, instead of faster)."""
+    inv_freq = base ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
+    angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+@rotary_table.register_fake
+def _(seq: int, dim: int, base: float, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    return tuple(torch.empty(seq, dim // 2, device=device, dtype=dtype) for _ in range(2))
+
+
 def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
     """Rotary position embedding of `x` shaped (batch, heads, seq, head_dim)."""
-    seq, dim = x.shape[-2], x.shape[-1]
-    inv_freq = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
-    angles = torch.outer(torch.arange(seq, device=x.device, dtype=torch.float32), inv_freq)
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    cos, sin = rotary_table(x.shape[-2], x.shape[-1], base, x.device, x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
