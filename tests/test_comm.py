@@ -88,6 +88,14 @@ def test_each_unit_is_gathered_once_in_forward_and_again_in_backward_only_if_res
     assert all(0 <= value - fsdp < 1024 for value in gathered.values()), (fsdp, gathered)
 
 
+def test_a_training_step_waits_on_no_barrier(runs):
+    """Lightning's strategies run a barrier before each all-reduce of a `sync_dist` value: a blocking round trip per
+    logged value per step, which the all-reduce itself makes redundant. parallelkit's reduce without it: a [[4, 1]]
+    step's one all-reduce is the logged loss's, and no barrier is counted in any step."""
+    assert "comm/barrier_count" not in next(runs["fp32_20"].rglob("metrics.csv")).read_text()
+    assert set(step_losses(runs["fp32_20"], "comm/all_reduce_count").values()) == {1.0}
+
+
 @pytest.mark.parametrize(("half", "full"), [("bf16_hsdp_20", "fp32_20"), ("fp16_20", "fp32_20")])
 def test_half_precision_hooks_halve_gradient_bytes(runs, half, full):
     full_bytes = step_losses(runs[full], "comm/reduce_scatter_bytes")
@@ -225,6 +233,7 @@ def test_ddp_hooks_apply_on_cpu_with_the_bytes_they_claim(tmp_path, corpus, base
     # Each step: every gradient once in DDP's buckets, plus the 4-byte train_loss all-reduce for logging.
     assert set(fp32.values()) == {4.0 * params + 4}
     assert set(bf16.values()) == {2.0 * params + 4}
+    assert "comm/barrier_count" not in next(runs["bf16"].rglob("metrics.csv")).read_text()  # as fsdp_tp: no barrier
     assert_same_losses(baseline("plain").losses(), step_losses(runs["fp32"]))
     assert_same_losses(step_losses(runs["fp32"]), step_losses(runs["bf16"]), rtol=0.02)
 

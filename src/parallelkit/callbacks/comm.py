@@ -23,6 +23,7 @@ KINDS = {
     "alltoall": "all_to_all",
     "all_to_all": "all_to_all",
     "broadcast": "broadcast",
+    "barrier": "barrier",
     "send": "send",
     "recv": "recv",
 }

@@ -28,7 +28,8 @@ def rotary_table(
 
     An operator of its own so that a compiled block computes this table once: traced inline, inductor fuses the
     angle, cosine and sine into the kernel that rotates q and k, computing them again for every batch row and head
-    (measured on CPU: a compiled block 7% slower than eager, instead of faster)."""
+    (measured on CPU, four blocks forward and backward: 1.06 x eager's time compiled with the table inline, 0.93-0.95
+    x with this operator)."""
     inv_freq = base ** (-torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)
     angles = torch.outer(torch.arange(seq, device=device, dtype=torch.float32), inv_freq)
     return angles.cos().to(dtype), angles.sin().to(dtype)

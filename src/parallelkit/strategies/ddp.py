@@ -13,7 +13,7 @@ from parallelkit.callbacks.preemption import PreemptionCheckpoint
 from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
 from parallelkit.errors import ConfigError
-from parallelkit.strategies.base import destroy_process_groups_at_exit
+from parallelkit.strategies.base import destroy_process_groups_at_exit, reduce_logged
 
 
 class DDPStrategy(LightningDDPStrategy):
@@ -72,6 +72,10 @@ class DDPStrategy(LightningDDPStrategy):
         if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint())
         super().setup(trainer)
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        return reduce_logged(tensor, group, reduce_op)
 
     @override
     def _register_ddp_hooks(self) -> None:
