@@ -129,8 +129,14 @@ def run_lightning(args: argparse.Namespace, spec: MeshSpec, variant: str) -> Ste
     clock = StepClock()
     if variant.startswith("parallelkit"):
         model = GPT(**model_kwargs(args))
+        compiled = variant.endswith("compile")
+        if compiled:  # as in a fresh process: torch.compile guards on the optimizer object, new in every turn
+            torch._dynamo.reset()
         strategy = parallelkit.FSDPTPStrategy(
-            mesh_shape=str(spec), sequence_parallel=args.sequence_parallel == "on", compile=variant.endswith("compile")
+            mesh_shape=str(spec),
+            sequence_parallel=args.sequence_parallel == "on",
+            compile=compiled,
+            compile_optimizer=compiled,
         )
     else:
         model = HandWrittenGPT(sequence_parallel=args.sequence_parallel == "on", **model_kwargs(args))

@@ -323,15 +323,17 @@ def test_compiled_blocks_match_one_process_and_checkpoints_cross_between_compile
     tmp_path, corpus, baselines, reference
 ):
     """compile=true on [[2, 2]] (inductor per block, inside tensor parallelism with sequence parallelism, under FSDP,
-    meta_init), resuming the eager reference run's step-10 checkpoint: steps 10-19 equal one process's, and
-    torch.compile did build graphs (an ignored flag fails). Its own step-15 checkpoint then resumes eager, giving one
-    process's steps 15 and 16: checkpoint names are the eager model's both ways. (20 compiled steps from scratch:
-    1.5e-7 from one process, by hand; two compiled runs cost CI a minute more.)"""
+    meta_init) and compile_optimizer=true (AdamW's update over the DTensor shards, its lr new every step), resuming
+    the eager reference run's step-10 checkpoint: steps 10-19 equal one process's, and torch.compile did build
+    graphs (an ignored flag fails). Its own step-15 checkpoint then resumes eager, giving one process's steps 15 and
+    16: checkpoint names and optimizer states are the eager ones both ways. (20 compiled steps from scratch: 1.4e-7
+    from one process, by hand; two compiled runs cost CI a minute more.)"""
     compiled, eager = tmp_path / "compiled", tmp_path / "eager"
     run = [*common(corpus, tmp_path / "cache"), callback("models.CompiledGraphs")]
     resume = f"--ckpt_path={reference('hybrid.yaml').checkpoint}"
     save = checkpoint_every(compiled / "ckpt", 15)
-    assert_ok(fit("hybrid.yaml", compiled, *run, "--trainer.strategy.compile=true", resume, save))
+    options = ["--trainer.strategy.compile=true", "--trainer.strategy.compile_optimizer=true"]
+    assert_ok(fit("hybrid.yaml", compiled, *run, *options, resume, save))
     losses = step_losses(compiled)
     assert sorted(losses) == list(range(10, 20))
     assert_same_losses({step: baselines["plain"][step] for step in losses}, losses)
@@ -385,14 +387,16 @@ def test_compile_backend_is_checked_and_inductor_without_a_cpp_compiler_trains_e
 
     with pytest.raises(ConfigError, match=r"compile='nonsense'.*aot_eager.*inductor"):
         FSDPTPStrategy(compile="nonsense").check_options()
+    with pytest.raises(ConfigError, match=r"compile_optimizer='aot_eager': use true .* or false"):
+        FSDPTPStrategy(compile_optimizer="aot_eager").check_options()
     checkpointed_tp = FSDPTPStrategy(mesh_shape=[[1, 2], ["fsdp", "tp"]], compile=True, activation_checkpointing=2)
     with pytest.raises(ConfigError, match=r"compile=True with activation_checkpointing=2 on a tp axis of 2"):
         L.Trainer(strategy=checkpointed_tp, accelerator="cpu", devices=2, logger=False)
     monkeypatch.setattr(base, "cpp_compiler", lambda: None)
-    strategy = FSDPTPStrategy(mesh_shape=[[1], ["fsdp"]], compile=True)
-    with pytest.warns(UserWarning, match=r"needs a C\+\+ compiler.*training eager"):
+    strategy = FSDPTPStrategy(mesh_shape=[[1], ["fsdp"]], compile_optimizer=True)
+    with pytest.warns(UserWarning, match=r"compile_optimizer=True on the CPU needs a C\+\+ compiler.*training eager"):
         L.Trainer(strategy=strategy, accelerator="cpu", devices=1, logger=False, enable_checkpointing=False)
-    assert strategy.compile_backend() is None
+    assert strategy.compile_backend() is None and strategy.optimizer_backend() is None
 
 
 def test_a_compiled_block_that_is_checkpointed_recomputes_its_forward_in_backward():

@@ -44,6 +44,7 @@ from parallelkit.grad_norm import clip_grad_norm_
 from parallelkit.init import has_meta_tensors, materialize, meta_parameters
 from parallelkit.lora import has_adapters, trainable_names
 from parallelkit.mesh import AXES, MeshSpec
+from parallelkit.optim import compile_step
 
 
 def reduce_logged(tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -134,6 +135,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
         loss_parallel: bool = False,
         activation_checkpointing: int | str = "none",  # int first: from the CLI "2" must parse as every 2nd block
         compile: bool | str = False,
+        compile_optimizer: bool = False,
         cpu_offload: bool = False,
         comm_precision: str | CommHook | None = None,
         profile_communication: bool = False,
@@ -158,6 +160,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
         self.loss_parallel = loss_parallel
         self.activation_checkpointing = activation_checkpointing
         self.compile = compile
+        self.compile_optimizer = compile_optimizer
         self.cpu_offload = cpu_offload
         self.meta_init = meta_init
 
@@ -174,6 +177,11 @@ class ParallelkitStrategy(ModelParallelStrategy):
                 f"compile={self.compile!r}: use true (torch.compile's inductor), false (eager), or a torch.compile "
                 f"backend name: {', '.join(compile_backends())}."
             )
+        if self.compile_optimizer not in (True, False):
+            raise ConfigError(
+                f"compile_optimizer={self.compile_optimizer!r}: use true (compile the optimizer's update with "
+                "compile's backend, inductor when compile is false) or false."
+            )
 
     @override
     def _configure_launcher(self) -> None:
@@ -185,12 +193,15 @@ class ParallelkitStrategy(ModelParallelStrategy):
         self.mesh_spec = self.full_mesh_spec(MeshSpec.parse(shape).resolve(self.num_nodes, self.num_processes))
         if not isinstance(self.precision_plugin, ShardedPrecision):
             self.precision_plugin = ShardedPrecision(self.precision_plugin.precision)
-        if self.compile_backend() == "inductor" and self.root_device.type == "cpu" and not cpp_compiler():
+        inductor = "inductor" in (self.compile_backend(), self.optimizer_backend())
+        if inductor and self.root_device.type == "cpu" and not cpp_compiler():
+            options = {"compile": self.compile, "compile_optimizer": self.compile_optimizer}
+            asked = " and ".join(f"{name}={value!r}" for name, value in options.items() if value)
             rank_zero_warn(
-                "compile=true on the CPU needs a C++ compiler for inductor's kernels, and none was found (g++, c++, "
+                f"{asked} on the CPU needs a C++ compiler for inductor's kernels, and none was found (g++, c++, "
                 "clang++ or $CXX): training eager. Install one, or set compile: aot_eager to compile without it."
             )
-            self.compile = False
+            self.compile = self.compile_optimizer = False
         if self.cpu_offload and self.root_device.type == "cpu":
             raise ConfigError(
                 "cpu_offload=True moves sharded state from accelerator memory to CPU memory, but this run already "
@@ -327,6 +338,10 @@ class ParallelkitStrategy(ModelParallelStrategy):
         """The `torch.compile` backend each block is compiled with, or None (eager)."""
         return "inductor" if self.compile is True else self.compile or None
 
+    def optimizer_backend(self) -> str | None:
+        """The `torch.compile` backend of the optimizer's update (`compile`'s, inductor when that is off), or None."""
+        return (self.compile_backend() or "inductor") if self.compile_optimizer else None
+
     def parallelize_options(self) -> dict[str, Any]:
         """The inner-axis options every strategy passes to `plan.parallelize`."""
         return {
@@ -368,6 +383,13 @@ class ParallelkitStrategy(ModelParallelStrategy):
         # The rest as any Lightning strategy does it (precision, device, optimizers). Not ModelParallelStrategy's
         # setup: it insists on a configure_model() and materialises meta tensors its own way.
         Strategy.setup(self, trainer)
+
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        if self.optimizer_backend():
+            for optimizer in self.optimizers:
+                compile_step(optimizer, self.optimizer_backend())
 
     @override
     def model_to_device(self) -> None:

@@ -40,6 +40,11 @@ class FSDPTPStrategy(ParallelkitStrategy):
             "aot_eager"). Applied after tensor parallelism and activation checkpointing (traced inside each compiled
             block; not with tp > 1), before FSDP; parameter names are unchanged, so compiled and eager runs load
             each other's checkpoints.
+        compile_optimizer: Compile the optimizer's update too (`parallelkit.optim.compile_step`; `compile`'s backend,
+            inductor if that is off): one graph of fused kernels over the local shards instead of a dozen DTensor
+            operations per parameter (AdamW, 4 x 256 GPT on two CPU processes: 10.4 -> 3.3 ms a step). Compiles at
+            the first step (seconds to tens of seconds on the CPU); learning-rate schedules do not recompile it, and
+            checkpoints are an eager optimizer's.
         cpu_offload: Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP2; GPU runs).
         comm_precision: How gradients are reduced: a comm hook name ("fp32" default, "bf16", "fp16", "int8", or
             one a plugin registers) or a `parallelkit.comm.CommHook`.

@@ -94,6 +94,7 @@ class PipelineStrategy(ParallelkitStrategy):
         activation_checkpointing: "none", "full" or every n-th block.
         compile: Compile each pipeline layer's block with `torch.compile` (true: inductor, or a backend name; see
             FSDPTPStrategy). Not with the zero-bubble schedules, whose split backward torch cannot run compiled.
+        compile_optimizer: Compile the optimizer's update too (see FSDPTPStrategy).
         comm_precision: How gradients are reduced: a comm hook name ("fp32" default, "bf16", "fp16", "int8", or
             one a plugin registers) or a `parallelkit.comm.CommHook`.
         profile_communication: Log every collective per optimizer step (count, bytes, time by kind) and print
@@ -123,6 +124,7 @@ class PipelineStrategy(ParallelkitStrategy):
         loss_parallel: bool = False,
         activation_checkpointing: int | str = "none",  # int first: from the CLI "2" must parse as every 2nd block
         compile: bool | str = False,
+        compile_optimizer: bool = False,
         comm_precision: str | CommHook | None = None,
         profile_communication: bool = False,
         timeout: float | timedelta = 1800.0,
@@ -137,6 +139,7 @@ class PipelineStrategy(ParallelkitStrategy):
             loss_parallel=loss_parallel,
             activation_checkpointing=activation_checkpointing,
             compile=compile,
+            compile_optimizer=compile_optimizer,
             comm_precision=comm_precision,
             profile_communication=profile_communication,
             timeout=timeout,

@@ -1,0 +1,61 @@
+"""The optimizer's update compiled with `torch.compile`, as torch's compiled-optimizer recipe does it.
+
+Eager, AdamW updates each parameter with a dozen small operations, and on FSDP's DTensor parameters every one of
+them goes through DTensor's dispatch in Python: measured on the CPU for a 4 x 256 GPT sharded over two processes,
+10.4 ms per step eager against 3.3 ms compiled. Compiled, the update of all parameters is one graph of fused
+kernels over the local shards.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+
+def compile_step(optimizer: torch.optim.Optimizer, backend: str = "inductor") -> None:
+    """Make `optimizer.step(closure)` run the closure eager and the update compiled with `backend`.
+
+    The closure (Lightning's: forward, backward, gradient clipping, the hooks before the step) runs first, as
+    eager code; then the optimizer's own `step()`, with its hooks and an LR scheduler's bookkeeping, runs through
+    `torch.compile`. Learning rates enter the compiled code as tensors, so a schedule that changes them every step
+    does not recompile it; in `param_groups` they stay the floats they were, which schedulers, state dicts and
+    checkpoints see as for an eager optimizer (a compiled run's checkpoint resumes eager and the other way round).
+    A schedule of another hyperparameter (a cycled momentum) recompiles on each new value, up to torch.compile's
+    recompile limit, after which those steps run eager. So does a step with a learning rate of 0.
+    """
+    eager = optimizer.step
+    update = torch.compile(eager, backend=backend)
+    rates: list[torch.Tensor] = []  # one per param group, refilled before each step
+
+    def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        groups = self.param_groups
+        if any(group["lr"] == 0 for group in groups):
+            # Compiled, AdamW divides by the learning rate and writes NaN where lr and a gradient entry are both 0
+            # (torch issue 126514): a schedule's zero (warmup from 0, a decay to 0) or DCP initialising the state.
+            eager()
+            return loss
+        rates.extend(torch.zeros((), dtype=torch.float64) for _ in range(len(groups) - len(rates)))
+        floats = [group["lr"] for group in groups]
+        for group, rate, lr in zip(groups, rates, floats):
+            if not isinstance(lr, torch.Tensor):
+                group["lr"] = rate.fill_(lr)
+        try:
+            # Keeps the optimizer's profiler range ("Optimizer.step#AdamW.step") in the compiled code, which
+            # would otherwise drop it with a warning.
+            with torch._dynamo.config.patch(capture_profiler_record_function=True):
+                update()
+        finally:
+            for group, lr in zip(groups, floats):
+                group["lr"] = lr
+        return loss
+
+    # An LR scheduler marks the step it wrapped, and warns at its first step if the mark is gone.
+    step._wrapped_by_lr_sched = getattr(optimizer.step, "_wrapped_by_lr_sched", False)
+    optimizer.step = types.MethodType(step, optimizer)  # a bound method, as LR schedulers expect to find
