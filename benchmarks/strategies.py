@@ -4,7 +4,9 @@
     python benchmarks/strategies.py --layouts '[[4,1],["fsdp","tp"]]' --nproc 4 --repeats 7
 
 (a) `parallelkit`: `FSDPTPStrategy(mesh_shape=...)` applying the model's declared plan, eager, and
-    `parallelkit_compile`: the same with `compile=True` (each block compiled with torch.compile's inductor);
+    `parallelkit_compile`: the same with `compile=True` and `compile_optimizer=True` (each block and the optimizer's
+    update compiled with torch.compile's inductor; torch.compile's caches are reset before each of its turns, as a
+    fresh process finds them, since it guards on the optimizer object);
 (b) `lightning`: Lightning's `ModelParallelStrategy` with a hand-written `configure_model` doing the same
     parallelize_module + fully_shard (the same reshard policy);
 (c) `raw`: a plain PyTorch loop with the same parallelisation, optimizer and loss logging, no Lightning (the floor).
