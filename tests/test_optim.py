@@ -55,3 +55,15 @@ def test_the_compiled_update_equals_eager_compiles_once_and_keeps_float_learning
     for key, values in eager_state["state"].items():
         for name, value in values.items():
             torch.testing.assert_close(state["state"][key][name], value, rtol=1e-4, atol=1e-6)
+
+
+def test_a_scheduler_made_after_compiling_still_tracks_the_step():
+    """A scheduler created after `compile_step` wraps the compiled step as it wraps any, and sees it called."""
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    compile_step(optimizer, backend="eager")
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    assert optimizer._opt_called
+    schedule.step()

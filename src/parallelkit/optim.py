@@ -56,6 +56,6 @@ def compile_step(optimizer: torch.optim.Optimizer, backend: str = "inductor") ->
                 group["lr"] = lr
         return loss
 
-    # An LR scheduler marks the step it wrapped, and warns at its first step if the mark is gone.
-    step._wrapped_by_lr_sched = getattr(optimizer.step, "_wrapped_by_lr_sched", False)
+    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # an LR scheduler's mark, which it warns about if gone
+        step._wrapped_by_lr_sched = True
     optimizer.step = types.MethodType(step, optimizer)  # a bound method, as LR schedulers expect to find
