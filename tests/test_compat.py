@@ -76,6 +76,10 @@ def test_private_attributes_exist_on_the_objects_that_hold_them():
     assert "_local_tensor" in DTensor.__annotations__  # compat.storage_key (building a DTensor needs a mesh)
     monitor = ThroughputMonitor(batch_size_fn=len)
     assert monitor._throughputs == {}  # compat.throughputs
+    assert isinstance(torch._dynamo.config.capture_profiler_record_function, bool)  # compat.keep_profiler_ranges
+    optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters())
+    torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    assert optimizer.step._wrapped_by_lr_sched  # compat.keep_scheduler_mark
 
 
 def test_private_tensor_apis_still_answer():

@@ -166,6 +166,21 @@ def saved_tensors_hooks_active() -> bool:
     return torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
 
 
+def keep_profiler_ranges() -> Any:
+    """A context in which torch.compile traces `record_function` ranges into its graph (an optimizer's
+    "Optimizer.step#AdamW.step"), where by default it drops them with a warning."""
+    import torch._dynamo
+
+    return torch._dynamo.config.patch(capture_profiler_record_function=True)
+
+
+def keep_scheduler_mark(new: Any, old: Any) -> None:
+    """Give the function replacing an optimizer's `step` the mark an LR scheduler left on the old one, if any (the
+    scheduler warns at its first step when the mark is gone, and wraps a step without it)."""
+    if hasattr(old, "_wrapped_by_lr_sched"):
+        new._wrapped_by_lr_sched = True
+
+
 def dispatch_mode_class() -> type:
     """torch's `TorchDispatchMode`: sees every aten op, the c10d collectives included."""
     from torch.utils._python_dispatch import TorchDispatchMode

@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from parallelkit.compat import keep_profiler_ranges, keep_scheduler_mark
+
 
 def compile_step(optimizer: torch.optim.Optimizer, backend: str = "inductor") -> None:
     """Make `optimizer.step(closure)` run the closure eager and the update compiled with `backend`.
@@ -47,15 +49,12 @@ def compile_step(optimizer: torch.optim.Optimizer, backend: str = "inductor") ->
             if not isinstance(lr, torch.Tensor):
                 group["lr"] = rate.fill_(lr)
         try:
-            # Keeps the optimizer's profiler range ("Optimizer.step#AdamW.step") in the compiled code, which
-            # would otherwise drop it with a warning.
-            with torch._dynamo.config.patch(capture_profiler_record_function=True):
+            with keep_profiler_ranges():
                 update()
         finally:
             for group, lr in zip(groups, floats):
                 group["lr"] = lr
         return loss
 
-    if hasattr(optimizer.step, "_wrapped_by_lr_sched"):  # an LR scheduler's mark, which it warns about if gone
-        step._wrapped_by_lr_sched = True
+    keep_scheduler_mark(step, optimizer.step)
     optimizer.step = types.MethodType(step, optimizer)  # a bound method, as LR schedulers expect to find
