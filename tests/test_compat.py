@@ -183,3 +183,24 @@ def test_every_override_of_a_lightning_method_is_marked(path):
                 assert getattr(function, "__override__", False), (
                     f"{cls.__name__}.{name} overrides Lightning's: @override"
                 )
+
+
+def test_dcp_metadata_reads_through_the_globals_compat_allows(tmp_path):
+    """Every global a DCP save writes into `.metadata` is one `compat.dcp_metadata_global` admits: a real checkpoint
+    (tensors, a bytes value, a path) reads back equal to torch's own unpickling of it."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from parallelkit.checkpoint import read_metadata
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled": one process on purpose
+        dcp.save(
+            {"w": torch.ones(2, 3, dtype=torch.bfloat16), "betas": (0.9, 0.95)}, checkpoint_id=tmp_path, no_dist=True
+        )
+    ours = read_metadata(tmp_path)
+    theirs = pickle.loads((tmp_path / ".metadata").read_bytes())
+    assert ours.state_dict_metadata == theirs.state_dict_metadata and ours.storage_data == theirs.storage_data
+    assert compat.dcp_metadata_global("torch", "load") is None and compat.dcp_metadata_global("os", "system") is None

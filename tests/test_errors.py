@@ -32,6 +32,28 @@ def corrupt_metadata(tmp: Path) -> str:
     return str(path)
 
 
+def hf_checkpoint(tmp: Path) -> str:
+    """A single-file HFCausalLM checkpoint, as a run with save_distributed_checkpoint=false writes it."""
+    from models import TINY_LLAMA
+
+    from parallelkit.models import HFCausalLM
+
+    model = HFCausalLM({"model_type": "llama", **TINY_LLAMA})
+    path = tmp / "run.ckpt"
+    torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams)}, path)
+    return str(path)
+
+
+def export(*args: str, ckpt: Callable[[Path], str] = hf_checkpoint) -> Callable[[Path], subprocess.CompletedProcess]:
+    return lambda tmp: parallelkit("export-hf", ckpt(tmp), str(tmp / "out"), *args, cwd=tmp, timeout=120)
+
+
+def not_a_checkpoint(tmp: Path) -> str:
+    path = tmp / "notes.ckpt"
+    path.write_text("not a checkpoint\n")
+    return str(path)
+
+
 def bad_yaml(tmp: Path) -> str:
     path = tmp / "run.yaml"
     path.write_text("trainer:\n  max_steps: 1\n  devices: [1\nmodel: {class_path: parallelkit.models.GPT}\n")
@@ -88,6 +110,18 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
     "checkpoint that weights_only refuses": (
         lambda tmp: fit("single.yaml", tmp, *QUICK, f"--ckpt_path={pickled_class(tmp)}", timeout=120),
         ["payload.ckpt holds pickled Python objects (test_errors.Payload)", "refuses for safety", "nothing was loaded"],
+    ),
+    "export-hf of a file that is not a checkpoint": (
+        export(ckpt=not_a_checkpoint),
+        ["checkpoint", "notes.ckpt is not a readable checkpoint", "Fix: a file torch.save"],
+    ),
+    "export-hf with a negative --max-shard-size": (
+        export("--max-shard-size=-1GB"),
+        ["--max-shard-size '-1GB' is not a size", "Fix: a positive number of bytes"],
+    ),
+    "export-hf with a --tokenizer directory that does not exist": (
+        export("--tokenizer", "no-such-dir"),
+        ["--tokenizer no-such-dir is not a directory", "tokenizer.json", "Fix: the directory the tokenizer was saved"],
     ),
     "plan with an unparsable --device-memory": (
         plan("--config", HYBRID, "--device-memory", "80XB"),

@@ -7,17 +7,24 @@ model's own FQNs whatever the layout, so a checkpoint written under one layout l
 
 from __future__ import annotations
 
+import io
 import os
+import pickle
 import shutil
+import tempfile
 import warnings
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from typing_extensions import override
 
-from parallelkit.errors import ParallelkitError
+from parallelkit.compat import dcp_metadata_global
+from parallelkit.errors import ConfigError, ParallelkitError
 from parallelkit.lora import is_adapter
 
 MODEL_PREFIX = "state_dict."
@@ -55,17 +62,121 @@ def publish(staging: Path, path: Path) -> None:
     remove(previous)
 
 
-def read_metadata(ckpt_dir: Path) -> Any:
-    """A sharded checkpoint's DCP metadata (every saved tensor's name, shape and dtype), or a CheckpointError."""
-    from torch.distributed.checkpoint import FileSystemReader
+class UnsafeCheckpointError(CheckpointError):
+    """A checkpoint that names code to run when read: refused, and nothing in it was run."""
 
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles a DCP `.metadata` file, refusing every global but the classes DCP metadata is made of.
+
+    A pickle can name any importable function and call it while being read (`os.system`, say); torch's own reader
+    uses plain `pickle.load`. Here a name outside `compat.dcp_metadata_global`'s list stops the read before the
+    call, so nothing the file names runs.
+    """
+
+    def __init__(self, file: BinaryIO, path: Path) -> None:
+        super().__init__(file)
+        self.path = path
+
+    @override
+    def find_class(self, module: str, name: str) -> Any:
+        found = dcp_metadata_global(module, name)
+        if found is None:
+            raise UnsafeCheckpointError(
+                f"{self.path} refers to {module}.{name}, which a checkpoint's metadata never holds: reading it "
+                "could run code, so it was refused and nothing in it was run. Fix: use a checkpoint a parallelkit "
+                "or torch.distributed.checkpoint save wrote, from a source you trust."
+            )
+        return found
+
+
+class CheckpointReader(FileSystemReader):
+    """DCP's file-system reader, reading `.metadata` with `_MetadataUnpickler` instead of `pickle.load`. Every
+    parallelkit load of a sharded checkpoint goes through it (`read_metadata`, `load_sharded`)."""
+
+    @override
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        rank = kwargs.get("rank")
+        path = Path(self.path) / (".metadata" if rank is None else f"__{rank}.metadata")
+        with open(path, "rb") as file:
+            metadata = _MetadataUnpickler(file, path).load()
+        if not isinstance(metadata, Metadata):
+            raise CheckpointError(f"{path} holds a {type(metadata).__name__}, not DCP metadata.")
+        if metadata.storage_meta is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id  # as torch's reader does: DCP tells loads apart by it
+        return metadata
+
+
+class _WeightsOnlyPlanner(DefaultLoadPlanner):
+    """DCP's default load planner, reading a checkpoint's non-tensor values (optimizer hyperparameters such as
+    `betas`, a strategy's small values) as `torch.load(weights_only=True)` does: torch's planner unpickles them with
+    `weights_only=False`, so a value in a `.distcp` file could name code to run."""
+
+    @override
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        try:
+            loaded = torch.load(value, weights_only=True)
+        except pickle.UnpicklingError as err:
+            value.seek(0)
+            unsafe = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(value)) or "unsupported opcodes"
+            raise UnsafeCheckpointError(
+                f"the checkpoint's value {read_item.dest_index.fqn} holds pickled Python objects ({unsafe}) that "
+                "torch.load(weights_only=True) refuses for safety: nothing in it was run. Fix: use a checkpoint "
+                "Lightning or parallelkit wrote, from a source you trust."
+            ) from err
+        checked = io.BytesIO()
+        torch.save(loaded, checked)  # the parent's load_bytes places values and reads them from bytes
+        checked.seek(0)
+        super().load_bytes(read_item, checked)
+
+
+def load_sharded(state: dict[str, Any], ckpt_dir: str | Path, no_dist: bool = False) -> None:
+    """`dcp.load(state, ...)` from the sharded checkpoint at `ckpt_dir`, with nothing in the files run: metadata
+    through `CheckpointReader`, non-tensor values as weights_only (tensors DCP reads weights_only itself).
+    Collective unless `no_dist`; a rank's failure is every rank's CheckpointError."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        dcp.load(state, storage_reader=CheckpointReader(ckpt_dir), planner=_WeightsOnlyPlanner(), no_dist=no_dist)
+    except CheckpointException as err:  # a BaseException: DCP gathers every rank's error into it
+        failures = [failure for failure, _ in err.failures.values()]
+        ours = next((failure for failure in failures if isinstance(failure, ParallelkitError)), None)
+        if ours is not None:
+            raise ours from None
+        first = " ".join(str(failures[0]).split())[:300] if failures else "no rank said why"
+        raise CheckpointError(
+            f"the shards of {ckpt_dir} cannot be read ({type(failures[0]).__name__ if failures else 'error'}: "
+            f"{first}): the checkpoint is damaged or incomplete. Fix: use another checkpoint (ModelCheckpoint keeps "
+            "earlier ones with save_top_k)."
+        ) from None
+
+
+def load_meta(ckpt_dir: Path, weights_only: bool = True) -> dict[str, Any]:
+    """The loops' and callbacks' state a sharded checkpoint keeps beside its shards (`meta.pt`); with `weights_only`
+    (unless the caller of fit chose otherwise), pickled code in it is refused by name."""
+    try:
+        return torch.load(ckpt_dir / "meta.pt", weights_only=weights_only)
+    except pickle.UnpicklingError as err:
+        unsafe = ", ".join(torch.serialization.get_unsafe_globals_in_checkpoint(ckpt_dir / "meta.pt"))
+        raise UnsafeCheckpointError(
+            f"{ckpt_dir}/meta.pt holds pickled Python objects ({unsafe}) that torch.load(weights_only=True) refuses "
+            "for safety: nothing in it was run. Fix: use a checkpoint Lightning or parallelkit wrote."
+        ) from err
+
+
+def read_metadata(ckpt_dir: Path) -> Metadata:
+    """A sharded checkpoint's DCP metadata (every saved tensor's name, shape and dtype), or a CheckpointError."""
     if not (ckpt_dir / ".metadata").is_file():
         raise CheckpointError(
             f"{ckpt_dir} is not a sharded (DCP) checkpoint: it has no .metadata file. Pass the checkpoint "
             "directory a parallelkit strategy wrote (it holds *.distcp files and meta.pt)."
         )
     try:
-        return FileSystemReader(str(ckpt_dir)).read_metadata()
+        return CheckpointReader(ckpt_dir).read_metadata()
+    except UnsafeCheckpointError:
+        raise
     except Exception as err:  # cut short or overwritten: unpickling fails in any of several ways
         raise CheckpointError(
             f"{ckpt_dir}/.metadata cannot be read ({type(err).__name__}: {err}): the checkpoint is damaged or "
@@ -73,7 +184,7 @@ def read_metadata(ckpt_dir: Path) -> Any:
         ) from err
 
 
-def check_readable(path: Path) -> None:
+def check_readable(path: Path, field: str = "ckpt_path") -> None:
     """Raise a CheckpointError unless `path` is a checkpoint to resume from: a file torch.save wrote, or a sharded
     directory with readable `.metadata` and `meta.pt`, holding nothing `torch.load(weights_only=True)` refuses.
 
@@ -93,12 +204,12 @@ def check_readable(path: Path) -> None:
         unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
     except Exception as err:  # missing, not a zip archive, truncated
         raise CheckpointError(
-            f"ckpt_path {file} is not a readable checkpoint ({type(err).__name__}: {err}). Fix: a file torch.save "
+            f"{field} {file} is not a readable checkpoint ({type(err).__name__}: {err}). Fix: a file torch.save "
             "or Lightning's ModelCheckpoint wrote, or a parallelkit strategy's checkpoint directory."
         ) from err
     if unsafe:
         raise CheckpointError(
-            f"ckpt_path {file} holds pickled Python objects ({', '.join(unsafe)}) that torch.load(weights_only=True) "
+            f"{field} {file} holds pickled Python objects ({', '.join(unsafe)}) that torch.load(weights_only=True) "
             "refuses for safety: unpickling them could run any code, so nothing was loaded. Fix: resume from a "
             "checkpoint Lightning or parallelkit wrote (tensors and plain containers); if you trust this file's "
             "origin, load it yourself with torch.load(weights_only=False) and save its tensors again."
@@ -145,15 +256,17 @@ def check_compatible(
         )
 
 
-def consolidate(ckpt_dir: str | Path, out: str | Path) -> Path:
+def consolidate(ckpt_dir: str | Path, out: str | Path, overwrite: bool = False) -> Path:
     """Write the model weights of a sharded checkpoint as one plain state dict (FQN -> tensor) at `out`.
 
     Runs in one process without a process group. The file is what `torch.load(out, weights_only=True)` reads
-    and the unparallelised model's `load_state_dict` takes; it is written atomically.
+    and the unparallelised model's `load_state_dict` takes; it is written atomically. An existing `out` is replaced
+    only with `overwrite`.
     """
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     ckpt_dir, out = Path(ckpt_dir), Path(out)
+    check_output(out, overwrite, directory=False)
     saved = read_metadata(ckpt_dir).state_dict_metadata
     state = {
         key: torch.empty(entry.size, dtype=entry.properties.dtype)
@@ -164,17 +277,39 @@ def consolidate(ckpt_dir: str | Path, out: str | Path) -> Path:
         raise CheckpointError(f"{ckpt_dir} holds no model tensors (no '{MODEL_PREFIX}*' keys).")
     load_in_one_process(state, ckpt_dir)
     weights = {key[len(MODEL_PREFIX) :]: tensor for key, tensor in state.items()}
-    staging = staging_path(out)
-    torch.save(weights, staging)
-    publish(staging, out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    handle, staging = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent)
+    os.close(handle)
+    try:
+        torch.save(weights, staging)
+        os.replace(staging, out)
+    finally:
+        Path(staging).unlink(missing_ok=True)
     return out
+
+
+def check_output(out: Path, overwrite: bool, directory: bool) -> None:
+    """Raise a ConfigError unless writing `out` (a file, or with `directory` a directory of files) replaces nothing
+    the user has, or `overwrite` allows replacing what the tool writes there."""
+    kind = "directory" if directory else "file"
+    if out.exists() and out.is_dir() != directory:
+        raise ConfigError(
+            f"{out} is {'a file' if directory else 'a directory'}, and this writes a {kind} there. Fix: name a new "
+            f"{kind}."
+        )
+    held = sorted(p.name for p in out.iterdir()) if directory and out.is_dir() else [out.name] if out.exists() else []
+    if held and not overwrite:
+        shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        where = f"the directory {out} already holds {shown}" if directory else f"{out} already exists"
+        raise ConfigError(
+            f"{where}, and nothing is replaced without --overwrite. Fix: name a new or empty {kind}, or pass "
+            f"--overwrite to replace {'the files this writes there (every other file is kept)' if directory else 'it'}."
+        )
 
 
 def load_in_one_process(state: dict[str, Any], ckpt_dir: str | Path) -> None:
     """Fill `state` (DCP keys -> tensors of the saved shapes) from a sharded checkpoint, in this one process, with no
     process group (DCP then warns that torch.distributed is disabled: that is the intent, so it is not shown)."""
-    import torch.distributed.checkpoint as dcp
-
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled", module=r"torch\.distributed")
-        dcp.load(state, checkpoint_id=str(ckpt_dir), no_dist=True)
+        load_sharded(state, ckpt_dir, no_dist=True)

@@ -45,7 +45,8 @@ tools (no model, no training):
   parallelkit plugins                          every discovered strategy and comm hook, and load errors
   parallelkit consolidate CKPT_DIR OUT.pt      a sharded checkpoint's weights as one plain state dict
   parallelkit export-hf CKPT OUT_DIR           an HFCausalLM checkpoint as a Hugging Face model directory
-                                               (--adapters: a LoRA run's adapters in PEFT's format)
+                                               (--adapters: a LoRA run's adapters in PEFT's format; a non-empty
+                                               OUT_DIR only with --overwrite, which keeps files it does not write)
   parallelkit plan --config RUN.yaml --nodes N --devices-per-node G --device-memory 80GB
                                                every valid mesh's memory and communication, and a recommendation
 """
@@ -281,8 +282,9 @@ def consolidate_command(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="parallelkit consolidate", description=consolidate_command.__doc__)
     parser.add_argument("checkpoint", help="checkpoint directory written by a parallelkit strategy")
     parser.add_argument("out", help="file to write (torch.save of {parameter name: tensor})")
+    parser.add_argument("--overwrite", action="store_true", help="replace OUT if it exists (default: refuse)")
     args = parser.parse_args(argv)
-    out = consolidate(args.checkpoint, args.out)
+    out = consolidate(args.checkpoint, args.out, overwrite=args.overwrite)
     print(f"wrote {out}: load it with model.load_state_dict(torch.load({str(out)!r}, weights_only=True))")
     return 0
 
@@ -301,9 +303,14 @@ def export_hf_command(argv: Sequence[str]) -> int:
         action="store_true",
         help="a LoRA run's adapters alone, in PEFT's format (default: merged into the base weights)",
     )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="write into a non-empty OUT, replacing the files an export writes and keeping the rest (default: refuse)",
+    )
     args = parser.parse_args(argv)
     size = _bytes(args.max_shard_size, "--max-shard-size")
-    out = export_hf(args.checkpoint, args.out, size, args.tokenizer, adapters=args.adapters)
+    out = export_hf(args.checkpoint, args.out, size, args.tokenizer, adapters=args.adapters, overwrite=args.overwrite)
     if args.adapters:
         print(f"wrote {out}: load it with peft.PeftModel.from_pretrained(base_model, {str(out)!r})")
     else:
@@ -316,12 +323,15 @@ def _bytes(text: str, flag: str = "--device-memory") -> float:
     lowered = text.strip().lower()
     unit = next((u for u in sorted(units, key=len, reverse=True) if lowered.endswith(u)), "")
     try:
-        return float(lowered[: len(lowered) - len(unit)]) * units.get(unit, 1)
+        size = float(lowered[: len(lowered) - len(unit)]) * units.get(unit, 1)
     except ValueError:
+        size = None
+    if size is None or not size > 0:
         raise ConfigError(
-            f"{flag} {text!r} is not a size. Fix: a number of bytes or a number with a unit, e.g. 80GB or "
+            f"{flag} {text!r} is not a size. Fix: a positive number of bytes or a number with a unit, e.g. 80GB or "
             "24GiB (units: TB, GB, MB, KB, TiB, GiB, MiB, KiB)."
-        ) from None
+        )
+    return size
 
 
 PLAN_COLUMNS: dict[str, tuple[str, Callable[[Any], str]]] = {

@@ -228,6 +228,37 @@ def local_box(tensor: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     return tensor.to_local(), tuple(chunk.offsets)
 
 
+def dcp_metadata_global(module: str, name: str) -> Any | None:
+    """The object a DCP `.metadata` pickle may name as `module.name`, or None for anything else.
+
+    DCP pickles its `Metadata` dataclass tree: the classes of `torch.distributed.checkpoint.metadata` (its
+    `_MEM_FORMAT_ENCODING` enum among them), the file reader's `_StorageInfo` (where each item's bytes lie), tensor
+    sizes (`torch.Size`), dtypes (`torch.float32`: a torch attribute), layouts (rebuilt by `torch.serialization.
+    _get_layout` from their name; it returns layouts only) and the checkpoint's path (`pathlib`). Nothing here runs
+    code chosen by the file: constructing these with any arguments stores them.
+    """
+    import pathlib
+
+    import torch
+    import torch.distributed.checkpoint.metadata as dcp_metadata
+    from torch.distributed.checkpoint import filesystem
+
+    if module == dcp_metadata.__name__:
+        found = getattr(dcp_metadata, name, None)
+        return found if isinstance(found, type) and found.__module__ == module else None
+    if module == "torch":
+        found = getattr(torch, name, None)
+        plain = isinstance(found, (torch.dtype, torch.layout, torch.memory_format))
+        return found if plain or found is torch.Size else None
+    exact = {
+        (filesystem.__name__, "_StorageInfo"): filesystem._StorageInfo,
+        ("torch.serialization", "_get_layout"): torch.serialization._get_layout,
+        **{("pathlib", path.__name__): path for path in (pathlib.PosixPath, pathlib.WindowsPath)},
+        **{("pathlib", path.__name__): path for path in (pathlib.PurePosixPath, pathlib.PureWindowsPath)},
+    }
+    return exact.get((module, name))
+
+
 # -- transformers ------------------------------------------------------------------------------------------------
 def hf_tp_plan(model: Module) -> dict[str, str]:
     """A Hugging Face model's whole tensor-parallel plan (module glob -> HF style name), its own entries (e.g.

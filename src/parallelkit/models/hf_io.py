@@ -12,7 +12,10 @@ directory, one safetensors shard at a time (peak memory about one shard, no proc
 from __future__ import annotations
 
 import json
+import os
+import re
 import shutil
+import tempfile
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -23,10 +26,11 @@ from torch import nn
 from parallelkit.checkpoint import (
     MODEL_PREFIX,
     CheckpointError,
+    check_output,
+    check_readable,
     load_in_one_process,
-    publish,
+    load_meta,
     read_metadata,
-    staging_path,
 )
 from parallelkit.compat import local_box
 from parallelkit.errors import ConfigError
@@ -191,8 +195,8 @@ def _saved_tensors(ckpt: Path) -> tuple[dict[str, Any], dict[str, tuple[tuple[in
             load_in_one_process(state, ckpt)
             return {k[len(MODEL_PREFIX) :]: v for k, v in state.items()}
 
-        return torch.load(ckpt / "meta.pt", weights_only=True), entries, load
-    checkpoint = torch.load(ckpt, mmap=True, map_location="cpu", weights_only=True)
+        return load_meta(ckpt), entries, load
+    checkpoint = torch.load(ckpt, mmap=True, map_location="cpu", weights_only=True)  # check_readable saw no code
     weights = checkpoint.pop("state_dict")
     entries = {k: (tuple(v.shape), v.dtype) for k, v in weights.items()}
     return checkpoint, entries, lambda keys: {k: weights[k].contiguous() for k in keys}
@@ -204,23 +208,37 @@ def export_hf(
     max_shard_size: float = 5e9,
     tokenizer: str | Path | None = None,
     adapters: bool = False,
+    overwrite: bool = False,
 ) -> Path:
     """Write the `HFCausalLM` weights of a parallelkit checkpoint as a directory `from_pretrained` loads.
 
     Safetensors shards of at most `max_shard_size` bytes (one tensor larger than that gets a shard of its own),
     with an index when there are several, as transformers writes them; `config.json` from the model's config;
     tokenizer files from `tokenizer`, else from the directory the model was loaded from. Tied weights are written
-    once, under the first name, as transformers does. Written to `<out>.partial` and renamed when complete.
+    once, under the first name, as transformers does.
+
+    Written in a new directory beside `out` and moved in when complete. `out` must be new or empty unless
+    `overwrite`: then the files an export writes are replaced (the weights as a set: shards or a single file an
+    earlier export left are removed, so that the directory holds one model), and every other file is kept.
 
     A LoRA run's checkpoint (its adapters only) is written merged into its base weights (read from the `pretrained`
     directory it was trained from), or with `adapters=True` as the adapters alone in PEFT's format
     (`adapter_config.json` + `adapter_model.safetensors`, which `peft.PeftModel.from_pretrained` puts on the base).
     """
-    from parallelkit.models.hf import build_config
-
     ckpt, out = Path(ckpt), Path(out)
     if not ckpt.exists():
         raise CheckpointError(f"{ckpt} does not exist. Fix: the path of a checkpoint a parallelkit run wrote.")
+    if max_shard_size <= 0:
+        raise ConfigError(f"max_shard_size={max_shard_size:g} bytes is not a size. Fix: a positive size, e.g. 5e9.")
+    if tokenizer is not None and not any((Path(tokenizer) / name).is_file() for name in TOKENIZER_FILES):
+        state = "holds none of the tokenizer files" if Path(tokenizer).is_dir() else "is not a directory"
+        raise ConfigError(
+            f"--tokenizer {tokenizer} {state} ({', '.join(TOKENIZER_FILES[:4])}, ...). Fix: the directory the "
+            "tokenizer was saved in (tokenizer.save_pretrained), or leave --tokenizer out to copy the pretrained "
+            "directory's."
+        )
+    check_output(out, overwrite, directory=True)
+    check_readable(ckpt, field="checkpoint")
     rest, entries, load = _saved_tensors(ckpt)
     hparams = rest.get("hyper_parameters") or {}
     source = hparams.get("config") or hparams.get("pretrained")
@@ -241,30 +259,68 @@ def export_hf(
             f"{ckpt} holds LoRA adapters ({adapted[0]}, ...) but its hyper_parameters have no lora settings (rank, "
             "alpha) to scale them by. Fix: export a checkpoint HFCausalLM(lora=...) wrote."
         )
-    staging = staging_path(out)
-    shutil.rmtree(staging, ignore_errors=True)
-    if adapters:
-        staging.mkdir(parents=True)
-        _write_adapters(staging, load, lora, adapted, hparams.get("pretrained"))
-        publish(staging, out)
-        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    try:
+        if adapters:
+            _write_adapters(staging, load, lora, adapted, hparams.get("pretrained"))
+        else:
+            _write_model(staging, ckpt, entries, load, hparams, adapted, lora, source, max_shard_size, tokenizer)
+        _move_into(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def _write_model(
+    staging: Path,
+    ckpt: Path,
+    entries: dict[str, tuple[tuple[int, ...], torch.dtype]],
+    load: Callable[[Iterable[str]], dict[str, torch.Tensor]],
+    hparams: dict[str, Any],
+    adapted: list[str],
+    lora: dict[str, Any] | None,
+    source: Any,
+    max_shard_size: float,
+    tokenizer: str | Path | None,
+) -> None:
+    """The merged model's weights, `config.json` and tokenizer files, written into `staging`."""
+    from transformers import AutoModelForCausalLM
+
+    from parallelkit.models.hf import build_config
+
     config = build_config(source)
     with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
-
         skeleton = AutoModelForCausalLM.from_config(config)
     duplicates = {name for group in tied_parameters(skeleton) for name in group[1:]}
     tensors = _merged_tensors(ckpt, entries, load, skeleton, hparams, adapted, lora)
     names = [k for k in tensors.entries if k.startswith(HF_MODULE) and k[len(HF_MODULE) :] not in duplicates]
-    staging.mkdir(parents=True)
     _write_weights(staging, names, tensors, max_shard_size)
     config.save_pretrained(staging)
     origin = Path(tokenizer) if tokenizer else Path(hparams["pretrained"]) if hparams.get("pretrained") else None
     for name in TOKENIZER_FILES if origin is not None else ():
-        if (origin / name).is_file() and not (staging / name).exists():
+        if (origin / name).is_file():
             shutil.copy2(origin / name, staging / name)
-    publish(staging, out)
-    return out
+
+
+EXPORTED_WEIGHTS = re.compile(r"model\.safetensors(\.index\.json)?|model-\d{5}-of-\d{5}\.safetensors")
+"""The names of the weight files an export writes: one file, or shards and their index."""
+
+
+def _move_into(staging: Path, out: Path) -> None:
+    """Put a complete export from `staging` at `out`: renamed whole where `out` does not exist; otherwise moved in
+    file by file, replacing those of the same name, after removing the weight files of an earlier export that this
+    one does not replace (transformers would read a stale `model.safetensors` before a new index)."""
+    if not out.exists():
+        os.replace(staging, out)
+        return
+    written = {path.name for path in staging.iterdir()}
+    if any(EXPORTED_WEIGHTS.fullmatch(name) for name in written):
+        for path in out.iterdir():
+            if EXPORTED_WEIGHTS.fullmatch(path.name) and path.name not in written and path.is_file():
+                path.unlink()
+    for name in sorted(written):
+        os.replace(staging / name, out / name)
 
 
 class _Tensors(NamedTuple):

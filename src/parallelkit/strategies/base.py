@@ -28,7 +28,15 @@ from parallelkit.callbacks.activations import ActivationMemoryMonitor
 from parallelkit.callbacks.comm import CommunicationMonitor
 from parallelkit.callbacks.monitors import RankMonitor
 from parallelkit.callbacks.preemption import PreemptionCheckpoint
-from parallelkit.checkpoint import check_compatible, publish, remove, staging_path
+from parallelkit.checkpoint import (
+    check_compatible,
+    load_meta,
+    load_sharded,
+    publish,
+    read_metadata,
+    remove,
+    staging_path,
+)
 from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
 from parallelkit.compat import (
@@ -497,7 +505,6 @@ class ParallelkitStrategy(ModelParallelStrategy):
         path = Path(self.broadcast(str(checkpoint_path)))
         if not path.is_dir():
             return self._load_single_file(path, weights_only)
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_optimizer_state_dict,
@@ -509,28 +516,26 @@ class ParallelkitStrategy(ModelParallelStrategy):
         check_compatible(self.model, path, names=saved)
         current = get_model_state_dict(self.model)
         state = {"state_dict": {k: v for k, v in current.items() if saved is None or k in saved}}
-        dcp.load(state, checkpoint_id=str(path))
+        load_sharded(state, path)
         strict = self.lightning_module.strict_loading
         set_model_state_dict(self.model, {**current, **state["state_dict"]}, options=StateDictOptions(strict=strict))
         for index, optimizer in enumerate(self.optimizers):
             key = f"optimizer_{index}"
             state = {key: get_optimizer_state_dict(self.model, optimizer, options=FLAT)}
-            dcp.load(state, checkpoint_id=str(path))
+            load_sharded(state, path)
             set_optimizer_state_dict(self.model, optimizer, state[key], options=FLAT)
         self.load_extra_state(self._extra_state_reader(path))
-        return torch.load(path / "meta.pt", weights_only=weights_only if weights_only is not None else True)
+        return load_meta(path, weights_only=weights_only is not False)
 
     def _extra_state_reader(self, path: Path) -> Callable[[dict[str, Any]], dict[str, Any]]:
         """The `read` that `load_extra_state` gets for the DCP checkpoint at `path`."""
-        import torch.distributed.checkpoint as dcp
-
-        saved = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
+        saved = set(read_metadata(path).state_dict_metadata)
         prefix = f"{self.EXTRA_STATE_KEY}."
 
         def read(template: dict[str, Any]) -> dict[str, Any]:
             found = {key: value for key, value in template.items() if prefix + key in saved}
             # Every rank loads, even one that asks for nothing: DCP plans the load collectively.
-            dcp.load({self.EXTRA_STATE_KEY: found}, checkpoint_id=str(path))
+            load_sharded({self.EXTRA_STATE_KEY: found}, path)
             return found
 
         return read
