@@ -79,6 +79,20 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         fit_config("hybrid.yaml", "--trainer.precision=16-mixed"),
         ["precision='16-mixed'", "use one of 32-true, bf16-mixed, bf16-true"],
     ),
+    "accumulate_grad_batches below 1": (
+        fit_config("single.yaml", "--trainer.accumulate_grad_batches=0"),
+        ["trainer.accumulate_grad_batches=0", "must be at least 1", "Fix: 1 (a step per batch"],
+    ),
+    "auto mesh that fits nowhere": (
+        fit_config(
+            "hybrid.yaml",  # meta_init: the 39B-parameter GPT is never allocated, only planned
+            "--trainer.strategy.mesh_shape=auto",
+            "--model.init_args.n_layer=48",
+            "--model.init_args.n_embd=8192",
+            "--model.init_args.n_head=64",
+        ),
+        ["mesh_shape='auto': GPT fits no layout of 1 x 4 processes", "nothing was launched", "over the", "Fix: more"],
+    ),
     "datamodule argument": (
         fit_config("single.yaml", "--data.init_args.batch_size=-1"),
         ["batch_size is -1", "Fix: set data.batch_size >= 1"],
@@ -203,7 +217,9 @@ def assert_one_paragraph_error(proc: subprocess.CompletedProcess, fragments: lis
 @pytest.mark.parametrize("case", BEFORE_LAUNCH)
 def test_bad_input_before_launch_is_one_paragraph_error(tmp_path: Path, case: str):
     run, fragments = BEFORE_LAUNCH[case]
-    assert_one_paragraph_error(run(tmp_path), fragments)
+    proc = run(tmp_path)
+    assert_one_paragraph_error(proc, fragments)
+    assert "Initializing distributed" not in proc.stdout + proc.stderr  # Lightning's line as each rank starts
 
 
 @pytest.mark.parametrize("case", AFTER_LAUNCH)

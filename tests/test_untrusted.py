@@ -4,6 +4,7 @@ what the user had."""
 import contextlib
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import torch.distributed.checkpoint as dcp
 from conftest import assert_ok, checkpoint_every, common, fit, parallelkit
 from models import TINY_LLAMA
 from test_errors import assert_one_paragraph_error
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from parallelkit.checkpoint import UnsafeCheckpointError, load_sharded, read_metadata
 from parallelkit.models import HFCausalLM
@@ -138,3 +139,60 @@ def test_consolidate_replaces_an_existing_file_only_when_told(tmp_path):
     assert (tmp_path / "weights.pt").read_text() == "mine"
     assert_ok(parallelkit("consolidate", "ckpt", "weights.pt", "--overwrite", cwd=tmp_path))
     assert torch.equal(torch.load(tmp_path / "weights.pt", weights_only=True)["w"], torch.ones(3))
+
+
+def cut_short(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def header_only(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: 8 + int.from_bytes(data[:8], "little")])
+
+
+def lfs_pointer(path: Path) -> None:
+    oid = "4d7a214614ab2935c943f9e0ff69d22eadbb8f32b1258daaa5e2ca24d17e2393"
+    path.write_text(f"version https://git-lfs.github.com/spec/v1\noid sha256:{oid}\nsize {path.stat().st_size}\n")
+
+
+DAMAGE = {
+    "cut short": (cut_short, ["is cut short (a download that did not finish)"]),
+    "header only": (header_only, ["is cut short (a download that did not finish)"]),
+    "git-lfs pointer": (lfs_pointer, ["is a git-lfs pointer (", "bytes of text), not the weights", "git lfs pull"]),
+}
+
+LAYOUTS = {"one process": ["--trainer.devices=1", "--trainer.strategy.mesh_shape=[[1, 1], [fsdp, tp]]"], "2 x 2": []}
+
+
+@pytest.fixture(scope="module")
+def llama_directory(tmp_path_factory) -> Path:
+    directory = tmp_path_factory.mktemp("llama")
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY_LLAMA)).save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("damage", DAMAGE)
+def test_damaged_pretrained_weights_are_named_in_seconds_on_every_layout(tmp_path, llama_directory, damage, layout):
+    """A weights file cut short used to hang every rank (a read loop waiting for bytes that never come)."""
+    damaged = tmp_path / "llama"
+    shutil.copytree(llama_directory, damaged)
+    make_damage, fragments = DAMAGE[damage]
+    make_damage(damaged / "model.safetensors")
+    overrides = [f"--model.init_args.pretrained={damaged}", "--model.init_args.config=null", *LAYOUTS[layout]]
+    proc = fit("hf_llama.yaml", tmp_path / "log", "--trainer.max_steps=1", *overrides, timeout=120)
+    assert_one_paragraph_error(proc, ["llama/model.safetensors", *fragments, "Fix:"])
+
+
+def test_weights_that_shrink_after_their_header_was_read_are_named_not_waited_for(llama_directory, tmp_path):
+    from parallelkit.errors import ConfigError
+    from parallelkit.models.hf_io import SafetensorsWeights
+
+    shutil.copytree(llama_directory, tmp_path / "llama")
+    weights = SafetensorsWeights(tmp_path / "llama")
+    name = "model.norm.weight"
+    whole = tuple(slice(0, n) for n in weights.shape(name))
+    assert torch.equal(weights.read(name, whole), torch.ones(64))
+    cut_short(tmp_path / "llama" / "model.safetensors")
+    with pytest.raises(ConfigError, match=r"ended while reading .*: the file was cut short or changed"):
+        weights.read(name, whole)

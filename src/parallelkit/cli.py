@@ -106,12 +106,18 @@ class ParallelkitCLI(LightningCLI):
             super().instantiate_classes()
 
     def _check_trainer_config(self) -> None:
-        """Refuse what Lightning's Trainer would refuse with a traceback: an unknown strategy name, and a precision
-        a parallelkit strategy does not run."""
+        """Refuse what Lightning's Trainer would refuse with a traceback, or not at all: an unknown strategy name, a
+        precision a parallelkit strategy does not run, and fewer than one batch per optimizer step."""
         from parallelkit.strategies import ParallelkitStrategy
         from parallelkit.strategies.base import ShardedPrecision
 
         config = self.config_init[self.subcommand]["trainer"]
+        accumulate = config.get("accumulate_grad_batches")
+        if isinstance(accumulate, int) and accumulate < 1:
+            raise ConfigError(
+                f"trainer.accumulate_grad_batches={accumulate}: the number of batches whose gradients make one "
+                "optimizer step must be at least 1. Fix: 1 (a step per batch, the default) or more."
+            )
         strategy, precision = config.get("strategy"), config.get("precision")
         if isinstance(strategy, str):
             check_strategy_name(strategy)
@@ -158,7 +164,7 @@ class ParallelkitCLI(LightningCLI):
         from parallelkit.strategies import ParallelkitStrategy
 
         if isinstance(self.trainer.strategy, ParallelkitStrategy):
-            self.trainer.strategy.check_model(self.model)
+            self.trainer.strategy.check_run(self.model, self.datamodule, self.trainer.accumulate_grad_batches)
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         sharded = isinstance(ckpt_path, str) and (Path(ckpt_path) / ".metadata").is_file()
         if sharded and not isinstance(self.trainer.strategy, ParallelkitStrategy):

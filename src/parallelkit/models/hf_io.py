@@ -66,6 +66,8 @@ SAFETENSORS_DTYPES = {
     "I8": torch.int8,
     "U8": torch.uint8,
     "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
 }
 
 
@@ -87,7 +89,7 @@ class SafetensorsWeights:
                 "nothing is downloaded, hub names are not accepted."
             )
         if (self.directory / INDEX).is_file():
-            files = sorted(set(json.loads((self.directory / INDEX).read_text())["weight_map"].items()))
+            files = sorted(set(_weight_map(self.directory / INDEX).items()))
             listed = {}
             for name, file in files:
                 listed.setdefault(file, name)
@@ -109,13 +111,7 @@ class SafetensorsWeights:
             )
         self.entries: dict[str, tuple[Path, torch.dtype, tuple[int, ...], int]] = {}
         for path in paths:
-            with open(path, "rb") as f:
-                length = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(length))
-            for name, entry in header.items():
-                if name != "__metadata__":
-                    dtype = SAFETENSORS_DTYPES[entry["dtype"]]
-                    self.entries[name] = (path, dtype, tuple(entry["shape"]), 8 + length + entry["data_offsets"][0])
+            self.entries.update(_tensor_entries(path))
         self.files = {name: entry[0] for name, entry in self.entries.items()}
 
     def shape(self, name: str) -> tuple[int, ...]:
@@ -135,8 +131,88 @@ class SafetensorsWeights:
             f.seek(offset + rows.start * row_bytes)
             buffer, done = memoryview(out.view(torch.uint8).numpy()).cast("B"), 0
             while done < len(buffer):
-                done += f.readinto(buffer[done:])
+                read = f.readinto(buffer[done:])
+                if not read:  # the header was checked against the file's size: it shrank since
+                    raise ConfigError(
+                        f"{path} ended while reading {name} ({done} of {len(buffer)} bytes read): the file was cut "
+                        f"short or changed while training started. {REDOWNLOAD}"
+                    )
+                done += read
         return out[(slice(None), *rest)] if box else out.reshape(())
+
+
+REDOWNLOAD = "Fix: download or save the model again (a git clone of a model repository needs `git lfs pull`)."
+
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+"""How a git-lfs pointer file starts: what a clone without git-lfs leaves in place of each weights file."""
+
+
+def _weight_map(index: Path) -> dict[str, str]:
+    """The tensor -> file map of a sharded checkpoint's index, or a ConfigError naming the damaged index."""
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()):
+            raise TypeError("names and files are not strings")
+    except (ValueError, KeyError, TypeError, AttributeError) as err:
+        raise ConfigError(
+            f"{index} is not a safetensors index ({type(err).__name__}: {err}): it should be JSON with a "
+            f"'weight_map' of tensor name -> shard file. {REDOWNLOAD}"
+        ) from None
+    return weight_map
+
+
+def _tensor_entries(path: Path) -> dict[str, tuple[Path, torch.dtype, tuple[int, ...], int]]:
+    """{tensor name: (file, dtype, shape, byte offset)} from a safetensors file's header, every entry checked
+    against the file's size, so that a file cut short, a damaged header or a git-lfs pointer in place of the
+    weights is one error naming the file (and the tensor), before any read."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        start = f.read(max(8, len(LFS_POINTER)))
+        if start.startswith(LFS_POINTER):
+            raise ConfigError(
+                f"{path} is a git-lfs pointer ({size} bytes of text), not the weights: the repository was cloned "
+                f"without its large files. Fix: run `git lfs pull` in {path.parent} (or download the file again)."
+            )
+        length = int.from_bytes(start[:8], "little")
+        if size < 8 or 8 + length > size:
+            raise ConfigError(
+                f"{path} is {size} bytes, shorter than its own header says ({8 + length} bytes before the first "
+                f"tensor): the file is cut short. {REDOWNLOAD}"
+            )
+        f.seek(8)
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as err:
+            header = err
+    if not isinstance(header, dict):
+        raise ConfigError(f"{path} has a header that is not a safetensors JSON header ({header}). {REDOWNLOAD}")
+    entries = {}
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+            shape = tuple(int(n) for n in entry["shape"])
+            begin, end = (int(n) for n in entry["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ConfigError(
+                f"{path} describes tensor {name} as {entry!r}, which is not a safetensors entry (a dtype among "
+                f"{', '.join(SAFETENSORS_DTYPES)}, a shape and two data offsets; {type(err).__name__}: {err}). "
+                f"{REDOWNLOAD}"
+            ) from None
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+        if min(shape, default=0) < 0 or not 0 <= begin <= end or end - begin != nbytes:
+            raise ConfigError(
+                f"{path} gives tensor {name} (shape {list(shape)}, {entry['dtype']}: {nbytes} bytes) the bytes "
+                f"{begin}..{end}: the header is damaged. {REDOWNLOAD}"
+            )
+        if 8 + length + end > size:
+            raise ConfigError(
+                f"{path} ends at byte {size}, but its tensor {name} runs to byte {8 + length + end}: the file is cut "
+                f"short (a download that did not finish). {REDOWNLOAD}"
+            )
+        entries[name] = (path, dtype, shape, 8 + length + begin)
+    return entries
 
 
 def load_weights(module: nn.Module, weights: SafetensorsWeights, skip: Callable[[str], bool] = lambda _: False) -> None:

@@ -234,6 +234,11 @@ class ParallelkitStrategy(ModelParallelStrategy):
                 "Set loss_parallel=False or add tp to the mesh."
             )
 
+    def check_run(self, model: Any, datamodule: Any = None, accumulate_grad_batches: int = 1) -> None:
+        """Refuse, before any worker starts, what this run cannot do with this model and data (default: what
+        `check_model` refuses). The CLI calls it in the launching process; `setup` meets the same errors otherwise."""
+        self.check_model(model)
+
     def check_model(self, model: Any) -> None:
         """Refuse a model this layout cannot split (e.g. tp not dividing its key/value heads) with a `PlanError`.
         The CLI calls it before any worker starts; `setup` meets the same errors on every rank otherwise. A model
@@ -280,6 +285,11 @@ class ParallelkitStrategy(ModelParallelStrategy):
         """Whether checkpoints are sharded (a DCP directory, each rank writing its shards) or one file from rank 0."""
         return saves_distributed_checkpoint(self)
 
+    def use_mesh(self, spec: MeshSpec) -> None:
+        """Train on `spec` (a planned "auto" mesh) instead of the one resolved at construction."""
+        self.mesh_spec = self.full_mesh_spec(spec.resolve(self.num_nodes, self.num_processes))
+        self.check_mesh_options()
+
     def full_mesh_spec(self, spec: MeshSpec) -> MeshSpec:
         """`spec` with every required axis present, so code can always index `mesh["tp"]`, `mesh["fsdp"]`."""
         sizes = dict(zip(spec.names, spec.sizes))
@@ -294,8 +304,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
         if self.mesh_shape == "auto":
             planned = self.planned_mesh()
             if planned is not None:
-                self.mesh_spec = self.full_mesh_spec(planned.resolve(self.num_nodes, self.num_processes))
-                self.check_mesh_options()
+                self.use_mesh(planned)
         # The escape hatch: a model that overrides configure_model() parallelises itself with this mesh.
         set_device_mesh(self, self.mesh_spec.build(self.root_device.type))
 

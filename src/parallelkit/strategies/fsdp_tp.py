@@ -8,10 +8,15 @@ from typing import Any
 import torch
 from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from typing_extensions import override
 
+from parallelkit.errors import ConfigError
 from parallelkit.mesh import MeshSpec
 from parallelkit.plan import parallelize
 from parallelkit.strategies.base import MeshShape, ParallelkitStrategy
+
+_NOT_PLANNED = object()
+"""`FSDPTPStrategy._auto_plan` before `plan_auto_mesh` has run (its result may be None: every process shards)."""
 
 
 class FSDPTPStrategy(ParallelkitStrategy):
@@ -25,7 +30,7 @@ class FSDPTPStrategy(ParallelkitStrategy):
         mesh_shape: Sizes then axis names, outer to inner, e.g. `[[2, 2], ["fsdp", "tp"]]` (one size may be -1:
             the rest of the world). Axes: replicate, fsdp, tp. "auto": the layout `parallelkit plan` recommends
             for this model, data and machine (logged at start; every process shards if the model cannot be
-            planned).
+            planned; a model that fits no layout is refused before launch, with the shortfall and the fix).
         reshard_after_forward: "default" (free gathered weights after each block's forward, except the last
             block and the root, which backward needs first), "always", or "never" (keep them: more memory,
             one all-gather fewer per block and step).
@@ -60,28 +65,60 @@ class FSDPTPStrategy(ParallelkitStrategy):
             `reset_parameters()` of its modules and/or its own `init_weights()`.
     """
 
+    _auto_plan: Any = _NOT_PLANNED
+
     def parallelize_model(self, trainer: Any) -> None:
         # The escape hatch: a model overriding configure_model() has already parallelised itself there.
         if not is_overridden("configure_model", self.lightning_module):
             parallelize(self.model, self.device_mesh, **self.parallelize_options())
 
+    @override
+    def check_run(self, model: Any, datamodule: Any = None, accumulate_grad_batches: int = 1) -> None:
+        """Plan `mesh_shape="auto"` here, in the one launching process: a model that fits no layout is refused
+        before any worker starts, and one that fits is checked against the planned mesh."""
+        if self.plans_auto_mesh:
+            planned = self.plan_auto_mesh(model, datamodule, accumulate_grad_batches)
+            if planned is not None:
+                self.use_mesh(MeshSpec.parse(planned))
+        super().check_run(model, datamodule, accumulate_grad_batches)
+
+    @property
+    def plans_auto_mesh(self) -> bool:
+        """Whether "auto" is the planner's choice. A subclass that defines its own `auto_mesh` (HSDP, DiLoCo) means
+        that layout by "auto" and is not planned."""
+        return self.mesh_shape == "auto" and type(self).auto_mesh is FSDPTPStrategy.auto_mesh
+
     def planned_mesh(self) -> MeshSpec | None:
-        """`parallelkit plan`'s recommendation among fsdp/tp/hsdp meshes, decided on rank 0 and broadcast (every
-        rank must build the same mesh, even on nodes whose memory differs). A subclass that defines its own
-        `auto_mesh` (HSDP, DiLoCo) means that layout by "auto" and is not planned."""
-        if type(self).auto_mesh is not FSDPTPStrategy.auto_mesh:
+        """`parallelkit plan`'s recommendation among fsdp/tp/hsdp meshes, decided on rank 0 (planned before launch
+        when the CLI started the run) and broadcast: every rank must build the same mesh, even on nodes whose memory
+        differs. A model that fits no layout is every rank's ConfigError."""
+        if not self.plans_auto_mesh:
             return None
-        choice = [None]
+        choice: list[str | None] = [None, None]  # the mesh, or the error
         if self.global_rank == 0:
-            choice[0] = self._plan_on_rank_zero()
+            trainer = self.lightning_module.trainer
+            try:
+                choice[0] = self.plan_auto_mesh(
+                    self.lightning_module, trainer.datamodule, trainer.accumulate_grad_batches
+                )
+            except ConfigError as err:
+                choice[1] = str(err)
         torch.distributed.broadcast_object_list(choice, src=0)
+        if choice[1] is not None:
+            raise ConfigError(choice[1])
         return MeshSpec.parse(choice[0]) if choice[0] else None
 
-    def _plan_on_rank_zero(self) -> str | None:
-        from parallelkit.planner import Hardware, Workload, plan
+    def plan_auto_mesh(self, model: Any, datamodule: Any, accumulate_grad_batches: int) -> str | None:
+        """The planner's mesh for this model, data and machine (once per process), None to keep every process
+        sharding (a model the planner cannot see), or a ConfigError when no layout fits."""
+        if self._auto_plan is _NOT_PLANNED:
+            self._auto_plan = self._plan(model, datamodule, accumulate_grad_batches)
+        return self._auto_plan
 
-        model, data = self.lightning_module, getattr(self.lightning_module.trainer, "datamodule", None)
-        seq_len, batch = getattr(data, "seq_len", None), getattr(data, "batch_size", None)
+    def _plan(self, model: Any, datamodule: Any, accumulate_grad_batches: int) -> str | None:
+        from parallelkit.planner import Hardware, Workload, gb, plan
+
+        seq_len, batch = getattr(datamodule, "seq_len", None), getattr(datamodule, "batch_size", None)
         if is_overridden("configure_model", model):
             rank_zero_info(
                 f"mesh_shape='auto': {type(model).__name__} parallelises itself in configure_model(), which the "
@@ -105,16 +142,18 @@ class FSDPTPStrategy(ParallelkitStrategy):
             return None
         if self.root_device.type == "cuda":
             memory, hw = torch.cuda.get_device_properties(self.root_device).total_memory, {}
+            budget = f"{gb(memory)} per GPU"
         else:  # processes share the machine's memory; gloo moves a few GB/s, a core computes ~0.1 TFLOP/s
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / self.num_processes
             hw = {"intra_node_gbps": 5.0, "inter_node_gbps": 1.0, "device_tflops": 0.1}
+            budget = f"{gb(memory)} per process (this machine's memory over {self.num_processes} processes)"
         precision = self.precision_plugin.param_dtype
         work = Workload(
             seq_len=seq_len,
             micro_batch=batch,
             compute_bytes=2 if precision == torch.bfloat16 else 4,
             activation_checkpointing=self.activation_checkpointing not in ("none", 0),
-            accumulate=self.lightning_module.trainer.accumulate_grad_batches,
+            accumulate=accumulate_grad_batches,
         )
         hardware = Hardware(self.num_nodes, self.num_processes, memory, **hw)
         try:
@@ -123,8 +162,10 @@ class FSDPTPStrategy(ParallelkitStrategy):
             rank_zero_warn(f"mesh_shape='auto': cannot plan {type(model).__name__} ({err}); every process shards.")
             return None
         if best is None:
-            rank_zero_warn(f"mesh_shape='auto': {reason} Trying every process sharding.")
-            return None
+            raise ConfigError(
+                f"mesh_shape='auto': {type(model).__name__} fits no layout of {self.num_nodes} x {self.num_processes} "
+                f"processes with {budget}, so nothing was launched: {reason}"
+            )
         rank_zero_info(f"mesh_shape='auto' -> {best.mesh}: {reason}")
         return best.mesh
 
