@@ -54,6 +54,35 @@ def not_a_checkpoint(tmp: Path) -> str:
     return str(path)
 
 
+def pretrained_with(tmp: Path, config: dict | str | None = None, tokenizer: str | None = None) -> str:
+    """A tiny Llama as save_pretrained writes it, then its config.json changed (`config`: fields to set, or the
+    file's whole text) and a tokenizer.json of the given text added."""
+    import json
+
+    from models import TINY_LLAMA
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = tmp / "llama"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY_LLAMA)).save_pretrained(directory)
+    path = directory / "config.json"
+    if isinstance(config, dict):
+        path.write_text(json.dumps({**json.loads(path.read_text()), **config}))
+    elif config is not None:
+        path.write_text(config)
+    if tokenizer is not None:
+        (directory / "tokenizer.json").write_text(tokenizer)
+    return str(directory)
+
+
+def fit_pretrained(**changes: object) -> Callable[[Path], subprocess.CompletedProcess]:
+    def run(tmp: Path) -> subprocess.CompletedProcess:
+        directory = pretrained_with(tmp, **changes)
+        overrides = (f"--model.init_args.pretrained={directory}", "--model.init_args.config=null")
+        return fit("hf_llama.yaml", tmp, *QUICK, *overrides, timeout=120)
+
+    return run
+
+
 def bad_yaml(tmp: Path) -> str:
     path = tmp / "run.yaml"
     path.write_text("trainer:\n  max_steps: 1\n  devices: [1\nmodel: {class_path: parallelkit.models.GPT}\n")
@@ -108,6 +137,32 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
     "Hugging Face model type that does not exist": (
         fit_config("hf_llama.yaml", '--model.init_args.config={"model_type": "lama"}'),
         ["model.config model_type='lama' is not a model type transformers", "Did you mean 'llama'?"],
+    ),
+    "pretrained config.json with an unknown model_type": (
+        fit_pretrained(config={"model_type": "lama"}),
+        ["llama/config.json model_type='lama' is not a model type transformers", "Did you mean 'llama'?"],
+    ),
+    "pretrained config.json whose heads do not divide the hidden size": (
+        fit_pretrained(config={"hidden_size": 63}),
+        ["llama/config.json is not a valid llama config", "hidden size (63) is not a multiple of", "Fix the fields"],
+    ),
+    "pretrained config.json that is not JSON": (
+        fit_pretrained(config='{"model_type": "llama",'),
+        ["llama/config.json is not JSON", "damaged or cut short", "Fix: save the model's config again"],
+    ),
+    "pretrained config.json whose code ships in the directory": (
+        fit_pretrained(config={"auto_map": {"AutoModelForCausalLM": "modeling_mine.MineForCausalLM"}}),
+        ["has auto_map (AutoModelForCausalLM: modeling_mine.MineForCausalLM)", "does not run code from model", "Fix"],
+    ),
+    "pretrained config.json with pad_token_id outside the vocabulary": (
+        fit_pretrained(config={"pad_token_id": 999}),
+        ["llama/config.json has pad_token_id=999, outside its vocabulary of vocab_size=256", "a pad_token_id below"],
+    ),
+    "inline config with pad_token_id outside the vocabulary": (
+        fit_config(
+            "hf_llama.yaml", '--model.init_args.config={"model_type": "llama", "vocab_size": 256, "pad_token_id": 300}'
+        ),
+        ["model.config has pad_token_id=300, outside its vocabulary of vocab_size=256", "Fix the sizes"],
     ),
     "ckpt_path that does not exist": (
         lambda tmp: fit("single.yaml", tmp, *QUICK, f"--ckpt_path={tmp / 'nope.ckpt'}", timeout=120),
@@ -227,3 +282,13 @@ def test_bad_input_every_rank_meets_is_reported_once(tmp_path: Path, corpus: Pat
     (config, *overrides), fragments = AFTER_LAUNCH[case]
     proc = fit(config, tmp_path, *common(corpus, tmp_path / "cache", steps=1), *overrides, timeout=180)
     assert_one_paragraph_error(proc, fragments)
+
+
+def test_an_error_only_rank_zero_meets_is_reported_once_and_the_other_ranks_stay_silent(tmp_path: Path):
+    """A damaged tokenizer.json is met in prepare_data, which rank 0 alone runs: its error is the job's one paragraph,
+    and the ranks waiting for it end without a traceback of their own (a collective whose peer is gone)."""
+    directory = pretrained_with(tmp_path, tokenizer='{"version": "1.0", "model": {"type": "BPE", "vocab": {')
+    (tmp_path / "text.txt").write_text("Some text to tokenize.\n")
+    overrides = [f"--model.init_args.pretrained={directory}", f"--data.init_args.paths={tmp_path / 'text.txt'}"]
+    proc = fit("finetune.yaml", tmp_path, *QUICK, "--trainer.devices=2", *overrides, timeout=180)
+    assert_one_paragraph_error(proc, ["llama/tokenizer.json is not a tokenizer the tokenizers library can read"])

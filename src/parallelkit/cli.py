@@ -475,13 +475,18 @@ def report(err: ParallelkitError, launcher_pid: int) -> None:
     when this process started), and torchrun ends every rank once one fails: another rank stays silent if rank 0 ends
     within the grace period, and reports its own error otherwise (one rank 0 did not meet).
     """
-    if rank_zero_only.rank:
-        deadline = time.monotonic() + REPORT_GRACE_S
-        while os.getppid() == launcher_pid and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if os.getppid() != launcher_pid:
-            return
+    if rank_zero_only.rank and rank_zero_ended(launcher_pid):
+        return
     print(f"parallelkit: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+
+
+def rank_zero_ended(launcher_pid: int) -> bool:
+    """On a rank Lightning's launcher started as rank 0's child: whether rank 0 (the parent, `launcher_pid`) ends
+    within REPORT_GRACE_S."""
+    deadline = time.monotonic() + REPORT_GRACE_S
+    while os.getppid() == launcher_pid and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return os.getppid() != launcher_pid
 
 
 def _config_files(args: Sequence[str]) -> list[str]:
@@ -511,6 +516,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         while cause is not None and not isinstance(cause, ParallelkitError):
             cause = cause.__cause__
         if cause is None:
+            if rank_zero_only.rank and rank_zero_ended(launcher_pid):
+                # Rank 0 failed alone (e.g. in prepare_data, which only it runs) and said why; this rank's error is
+                # the consequence: a collective whose peer is gone.
+                sys.exit(1)
             raise
         report(cause, launcher_pid)
         sys.exit(2)

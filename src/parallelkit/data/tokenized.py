@@ -359,7 +359,15 @@ class TokenizedDataModule(TokenStreamDataModule):
 
     def _tokenizer_object(self, tokenizer_file: Path) -> Any:
         if self._loaded_tokenizer is None:
-            self._loaded_tokenizer = _tokenizers().Tokenizer.from_file(str(tokenizer_file))
+            try:
+                self._loaded_tokenizer = _tokenizers().Tokenizer.from_file(str(tokenizer_file))
+            except Exception as err:  # the tokenizers library raises a bare Exception for a file it cannot parse
+                why = " ".join(str(err).split())
+                raise DataError(
+                    f"{tokenizer_file} is not a tokenizer the tokenizers library can read ({why}): the file is "
+                    "damaged or cut short. Fix: save the tokenizer again (tokenizer.save_pretrained(DIR)), or copy "
+                    "tokenizer.json from the model's original directory."
+                ) from None
         return self._loaded_tokenizer
 
     @staticmethod
