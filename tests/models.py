@@ -299,6 +299,24 @@ class CrashOnce(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
+class DieAfterPublishing(L.Callback):
+    """SIGKILLs every rank right after the checkpoint named `name` is published at global step `step`: in the window
+    between ModelCheckpoint's save (in on_train_batch_end) and the loop handing that step's metrics to the loggers."""
+
+    def __init__(self, step: int, name: str = "last.ckpt") -> None:
+        self.step, self.name = step, name
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        save = trainer.strategy.save_checkpoint
+
+        def save_then_die(checkpoint, filepath, storage_options=None):
+            save(checkpoint, filepath, storage_options)
+            if trainer.global_step == self.step and Path(filepath).name == self.name:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        trainer.strategy.save_checkpoint = save_then_die
+
+
 class StopAfter(L.Callback):
     """Ends fit after optimizer step `step`: a run cut short while its LR schedule still plans for max_steps."""
 

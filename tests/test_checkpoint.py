@@ -400,6 +400,32 @@ def straight_fsdp2(reference):
     return reference("hybrid.yaml", *FSDP2).losses()
 
 
+def test_a_kill_right_after_last_is_published_loses_no_logged_step(tmp_path, corpus, straight_fsdp2):
+    """Every rank dies right after last.ckpt of step 5 is published, before Lightning logs that step's metrics: the
+    relaunch logs them from the checkpoint, so the two runs' CSVs together hold every step once, with the
+    uninterrupted run's losses. A checkpoint whose step was logged (step 3's, marked) is not logged twice."""
+    ckpt = tmp_path / "ckpt"
+    common_args = (*common(corpus, tmp_path / "cache"), *FSDP2)
+    proc = fit(
+        "hybrid.yaml",
+        tmp_path / "first",
+        *common_args,
+        checkpoint_every(ckpt, 3, last=True),
+        callback("models.DieAfterPublishing", step=6),
+    )
+    assert proc.returncode != 0
+    first = step_losses(tmp_path / "first")
+    assert sorted(first) == [0, 1, 2, 3, 4], "the kill came after step 5 was logged"
+    assert (ckpt / "epoch=0-step=3.ckpt" / "metrics_logged").is_file()
+    assert not (ckpt / "last.ckpt" / "metrics_logged").exists()
+    assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *common_args, checkpoint_every(ckpt, 3), "--ckpt_path=last"))
+    resumed = step_losses(tmp_path / "resumed")
+    assert min(resumed) == 5 and sorted(first) + sorted(resumed) == list(range(STEPS))
+    assert_same_losses(straight_fsdp2, {**first, **resumed}, rtol=1e-6)
+    assert_ok(fit("hybrid.yaml", tmp_path / "again", *common_args, f"--ckpt_path={ckpt / 'epoch=0-step=3.ckpt'}"))
+    assert min(step_losses(tmp_path / "again")) == 3
+
+
 def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus, straight_fsdp2):
     """SIGTERM to every process of a sharded [[2, 1]] job (what SLURM or torchrun does): the ranks agree on a step,
     save last.ckpt, exit 0, and the relaunch continues with the uninterrupted run's losses."""
