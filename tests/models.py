@@ -299,9 +299,9 @@ class CrashOnce(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class DieAfterPublishing(L.Callback):
-    """SIGKILLs every rank right after the checkpoint named `name` is published at global step `step`: in the window
-    between ModelCheckpoint's save (in on_train_batch_end) and the loop handing that step's metrics to the loggers."""
+class DieAfterSaving(L.Callback):
+    """SIGKILLs every rank as soon as the save of checkpoint `name` at global step `step` returns: in ModelCheckpoint's
+    on_train_batch_end, before the loop hands that step's metrics to the loggers."""
 
     def __init__(self, step: int, name: str = "last.ckpt") -> None:
         self.step, self.name = step, name

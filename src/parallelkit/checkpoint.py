@@ -297,7 +297,10 @@ def check_output(out: Path, overwrite: bool, directory: bool) -> None:
             f"{out} is {'a file' if directory else 'a directory'}, and this writes a {kind} there. Fix: name a new "
             f"{kind}."
         )
-    held = sorted(p.name for p in out.iterdir()) if directory and out.is_dir() else [out.name] if out.exists() else []
+    if directory:
+        held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    else:
+        held = [out.name] if out.exists() else []
     if held and not overwrite:
         shown = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
         where = f"the directory {out} already holds {shown}" if directory else f"{out} already exists"

@@ -107,22 +107,11 @@ def should_accumulate(trainer: L.Trainer) -> bool:
     return trainer.fit_loop._should_accumulate()
 
 
-def unlogged_step_metrics(trainer: L.Trainer) -> tuple[int, dict[str, float]] | None:
-    """The metrics of the training step the fit loop is finishing that it has not handed to its loggers yet, with the
-    step they are logged at: inside `on_train_batch_end` (where ModelCheckpoint saves), the loop logs a step's
-    metrics only after every batch-end hook. None anywhere else, or when this batch logs nothing (it accumulates, or
-    falls between `log_every_n_steps`)."""
-    from lightning.fabric.utilities.apply_func import convert_tensors_to_scalars
-
-    loop = trainer.fit_loop.epoch_loop
-    progress = loop.batch_progress.current
-    if not trainer.training or progress.processed == progress.completed or should_accumulate(trainer):
-        return None
-    connector = trainer._logger_connector
-    metrics = connector.metrics["log"] if connector.should_update_logs else {}
-    if not metrics:
-        return None
-    return loop._batches_that_stepped, {"epoch": trainer.current_epoch, **convert_tensors_to_scalars(metrics)}
+def logging_a_step(trainer: L.Trainer) -> bool:
+    """Whether the fit loop is in a training batch's end hooks (`on_train_batch_end`, where ModelCheckpoint saves),
+    whose metrics it hands to the loggers only after all of them have run."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress.current
+    return trainer.training and progress.processed > progress.completed
 
 
 def throughputs(monitor: Callback) -> dict[Any, Any]:

@@ -41,12 +41,12 @@ from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
 from parallelkit.compat import (
     destroy_process_groups_at_exit,
+    logging_a_step,
     quiet_root_view_warning,
     run_as_forward,
     saves_distributed_checkpoint,
     set_device_mesh,
     setup_distributed,
-    unlogged_step_metrics,
 )
 from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import clip_grad_norm_
@@ -441,12 +441,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
         hold extra state; a single-file checkpoint does not, and this is not called for one.
         """
 
-    UNLOGGED_METRICS_KEY = "parallelkit_unlogged_metrics"
-    """Where a checkpoint saved during a training step keeps that step's metrics (see `save_checkpoint`)."""
-    METRICS_LOGGED = "metrics_logged"
-    """The file rank 0 adds to such a (sharded) checkpoint once the loggers have the step's metrics."""
-    _unlogged_metrics: dict[str, Any] | None = None  # a resumed checkpoint's, until on_train_start logs them
-    _logging_after_save: tuple[Path, ...] = ()  # checkpoints saved in this step, before the loop logged it
+    _unpublished: tuple[tuple[Path, Path], ...] = ()  # (staging, path) of saves that wait for their step's logs
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -454,16 +449,11 @@ class ParallelkitStrategy(ModelParallelStrategy):
         have finished, so a checkpoint under its final name is complete and a crash mid-save leaves the
         previous one (and `ckpt_path="last"`, which ignores `.partial`) intact.
 
-        A checkpoint saved at the end of a training step (ModelCheckpoint's `every_n_train_steps`) also holds that
-        step's metrics, which Lightning hands to the loggers only after the save: a run killed in between would
-        leave the step out of its logs, and the relaunch resumes after it. A sharded checkpoint is marked once they
-        are logged (`METRICS_LOGGED`); the relaunch from one without the mark (or from a single file, which has
-        none) logs them first (`on_train_start`), so the loss curve of a run that survived faults has every step."""
+        A checkpoint saved at the end of a training step (ModelCheckpoint's `every_n_train_steps`) is renamed only
+        once Lightning has handed that step's metrics to the loggers, which it does after every batch-end hook: a run
+        killed in between would otherwise leave `last` on a step its logs lack, and the relaunch would resume after
+        it. So the logs of a run that survived faults have every step."""
         path = Path(self.broadcast(str(filepath)))
-        unlogged = unlogged_step_metrics(self.lightning_module.trainer) if "optimizer_states" in checkpoint else None
-        if unlogged is not None:
-            checkpoint = {**checkpoint, self.UNLOGGED_METRICS_KEY: {"step": unlogged[0], "metrics": unlogged[1]}}
-            self._logging_after_save += (path,)
         staging = staging_path(path)
         if self.is_global_zero:
             remove(staging)  # left by a crashed save
@@ -480,7 +470,10 @@ class ParallelkitStrategy(ModelParallelStrategy):
             super().save_checkpoint(checkpoint, staging, storage_options)
         self.barrier()
         if self.is_global_zero:
-            publish(staging, path)
+            if logging_a_step(self.lightning_module.trainer):
+                self._unpublished += ((staging, path),)
+            else:
+                publish(staging, path)
         self.barrier()
 
     def _save_sharded(self, checkpoint: dict[str, Any], path: Path) -> None:
@@ -530,38 +523,25 @@ class ParallelkitStrategy(ModelParallelStrategy):
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         path = Path(self.broadcast(str(checkpoint_path)))
-        load = self._load_sharded if path.is_dir() else self._load_single_file
-        loaded = load(path, weights_only)
-        unlogged = loaded.pop(self.UNLOGGED_METRICS_KEY, None)
-        self._unlogged_metrics = None if (path / self.METRICS_LOGGED).is_file() else unlogged
-        return loaded
-
-    @override
-    def on_train_start(self) -> None:
-        """Log the metrics of the step a resumed checkpoint was saved at, unless its run marked them logged (see
-        `save_checkpoint`)."""
-        unlogged, self._unlogged_metrics = self._unlogged_metrics, None
-        if unlogged is not None:
-            for logger in self.lightning_module.trainer.loggers:
-                logger.log_metrics(unlogged["metrics"], step=unlogged["step"])
-                logger.save()
+        return self._load_sharded(path, weights_only) if path.is_dir() else self._load_single_file(path, weights_only)
 
     @override
     def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
         # The loop's first call into the strategy after it logged the step in which checkpoints were saved.
-        self._mark_metrics_logged()
+        self._publish_logged()
         return super().batch_to_device(batch, device, dataloader_idx)
 
     @override
     def on_train_end(self) -> None:
-        self._mark_metrics_logged()
+        self._publish_logged()
         super().on_train_end()
 
-    def _mark_metrics_logged(self) -> None:
-        saved, self._logging_after_save = self._logging_after_save, ()
-        for path in saved if self.is_global_zero else ():
-            if path.is_dir():  # still there (ModelCheckpoint keeps the top k), and sharded
-                (path / self.METRICS_LOGGED).touch()
+    def _publish_logged(self) -> None:
+        """Publish the checkpoints saved in the step whose metrics the loop has now logged (see `save_checkpoint`).
+        Rank 0's: every rank finished writing them during the save."""
+        unpublished, self._unpublished = self._unpublished, ()
+        for staging, path in dict.fromkeys(unpublished):  # a path saved twice in the step: once
+            publish(staging, path)
 
     def _load_sharded(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
