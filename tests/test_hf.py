@@ -23,6 +23,20 @@ LLAMA = "hf_llama.yaml"
 QWEN3 = {"model_type": "qwen3", **TINY_LLAMA, "head_dim": 16, "tie_word_embeddings": True}
 """Qwen3: per-head norms on q and k (which tp must all-reduce the gradients of), and tied embeddings."""
 
+GPT2 = {
+    "model_type": "gpt2",
+    "vocab_size": 256,
+    "n_embd": 64,
+    "n_layer": 2,
+    "n_head": 4,
+    "n_positions": 256,
+    "bos_token_id": 0,  # inside the vocabulary
+    "eos_token_id": 0,
+    # No dropout: each rank would draw other masks than one process does.
+    **dict.fromkeys(("embd_pdrop", "attn_pdrop", "resid_pdrop"), 0.0),
+}
+"""GPT-2: decoder layers in `transformer.h`, no plans declared (Conv1D layers), tied embeddings, learned positions."""
+
 ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")
 """The single-process reference: the same config, no strategy, the whole global batch of 8."""
 
@@ -52,6 +66,7 @@ LAYOUTS = {
     "llama_1f1b_pp2": ((), (*PIPELINE, *mesh('[[2], ["pp"]]', 2, 8))),
     "qwen3_tied_tp2": (qwen3(), mesh('[[1, 2], ["fsdp", "tp"]]', 2, 8)),
     "qwen3_tied_2x2": (qwen3(), ()),
+    "gpt2_fsdp2": ((f"--model.init_args.config={json.dumps(GPT2)}",), mesh('[[2, 1], ["fsdp", "tp"]]', 2, 4)),
     "qwen3_tied_fsdp4_checkpointing": (
         qwen3(),
         mesh('[[4, 1], ["fsdp", "tp"]]', 4, 2, "--trainer.strategy.activation_checkpointing=full"),
@@ -147,6 +162,17 @@ def test_pipeline_refuses_tied_embeddings_and_unchecked_families_with_the_fix():
     gemma = {**QWEN3, "model_type": "gemma3_text", "sliding_window": None}
     with pytest.raises(PlanError, match="not 'gemma3_text'.*Fix: train it with fsdp_tp"):
         pipeline_layer_names(build(gemma, on_meta=True))
+
+
+def test_gpt2_declares_no_plans_its_layers_are_found_and_its_logits_are_transformers_own():
+    model = build(GPT2, on_meta=False).eval()
+    tokens = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(model(tokens), model.model(input_ids=tokens).logits)
+    contract = parallel_plan(model)
+    assert contract.fsdp_units == ["model.transformer.h.*"]
+    with pytest.raises(PlanError, match=r"transformers declares no tensor-parallel plan for gpt2 .* Fix: train it wi"):
+        tensor_parallel_plan(model, 2, contract=contract)
 
 
 def test_an_hf_style_parallelkit_does_not_translate_is_refused_by_name_under_tp_only():

@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from parallelkit.compat import hf_initialize, hf_pp_plan, hf_tp_plan
 from parallelkit.contract import ParallelPlan
-from parallelkit.errors import ConfigError
+from parallelkit.errors import ConfigError, PlanError
 from parallelkit.init import building_on_meta, materialize, meta_parameters
 from parallelkit.lora import LoRA, add_adapters, as_lora, config_dict, is_adapter, reset_adapters
 from parallelkit.models.hf_io import SafetensorsWeights, load_weights
@@ -243,7 +243,22 @@ class HFCausalLM(CausalLM):
         base = f"model.{self.model.base_model_prefix}"
         head = next(name for name, m in self.model.named_modules() if m is self.model.get_output_embeddings())
         embed = next(name for name, m in self.model.named_modules() if m is self.model.get_input_embeddings())
-        return {"base": base, "head": f"model.{head}", "embed": f"model.{embed}", "layers": f"{base}.layers"}
+        return {"base": base, "head": f"model.{head}", "embed": f"model.{embed}", "layers": f"{base}.{self._layers()}"}
+
+    def _layers(self) -> str:
+        """The name, in the base model, of its decoder layers: the module list its pipeline plan declares, else its
+        largest module list (GPT-2's `h`, which declares no plans)."""
+        base = self.model.base_model
+        lists = {name: m for name, m in base.named_children() if isinstance(m, nn.ModuleList)}
+        declared = [name for name in self.config.base_model_pp_plan or {} if name in lists]
+        if declared:
+            return declared[0]
+        if not lists:
+            raise PlanError(
+                f"{type(base).__name__} ({self.config.model_type}) holds no list of decoder layers (nn.ModuleList) "
+                "for parallelkit to shard one by one. Fix: subclass HFCausalLM and override parallel_plan()."
+            )
+        return max(lists, key=lambda name: sum(p.numel() for p in lists[name].parameters()))
 
     def parallel_plan(self) -> ParallelPlan:
         """The model's own plans, translated (see the module's docstring). Read once, from the whole model (a
@@ -263,6 +278,12 @@ class HFCausalLM(CausalLM):
                 continue
             tp[f"model.{pattern}"] = "vocab_head" if f"model.{pattern}" == names["head"] else HF_STYLES[style]
         refusal = ""
+        if not any(pattern.startswith(f"{names['layers']}.") for pattern in tp):
+            refusal = (
+                f"transformers declares no tensor-parallel plan for {config.model_type} (base_model_tp_plan), so "
+                "parallelkit cannot tell how its layers split. Fix: train it without a tp axis (e.g. mesh_shape "
+                '[[-1], ["fsdp"]]), or give it a plan (subclass HFCausalLM and override parallel_plan()).'
+            )
         if untranslated:
             pattern, style = next(iter(untranslated.items()))
             refusal = (
