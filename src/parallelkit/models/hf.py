@@ -229,13 +229,10 @@ class HFCausalLM(CausalLM):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         # Positions from the whole sequence: under sequence parallelism the embedding's output (from which
         # transformers would count them) holds only this rank's part of it.
+        # The model's own forward, so that what a family does between its decoder stack and the loss (Cohere's
+        # logit_scale, Granite's logits_scaling, Gemma's final softcapping) is done as transformers does it.
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        hidden = self.model.base_model(input_ids=input_ids, position_ids=positions, use_cache=False)
-        return self._logits(self.model.get_output_embeddings()(hidden.last_hidden_state))
-
-    def _logits(self, logits: torch.Tensor) -> torch.Tensor:
-        cap = getattr(self.config, "final_logit_softcapping", None)
-        return torch.tanh(logits / cap) * cap if cap else logits
+        return self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=0).logits
 
     # -- the parallel plan -----------------------------------------------------------------------------------
     def _names(self) -> dict[str, str]:
@@ -361,7 +358,7 @@ class HFCausalLM(CausalLM):
         rotary = None
         for _, layer in layers:
             if layer is self.model.get_output_embeddings():
-                return self._logits(layer(x))
+                return layer(x)  # PIPELINE_FAMILIES do nothing to the head's logits
             if isinstance(layer, (nn.Embedding,)) or layer is getattr(base, "norm", None):
                 x = layer(x)
                 continue
