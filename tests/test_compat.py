@@ -120,6 +120,8 @@ def test_transformers_private_names_still_answer():
         assert weight.eq(0).all()
         compat.hf_initialize(model)
     assert weight.std() > 0
+    assert compat.hf_supports_sdpa(model.config)
+    assert not compat.hf_supports_sdpa(AutoConfig.for_model("gemma2"))
 
 
 SOURCES = [p for p in (REPO / "src").rglob("*.py") if p.name != "compat.py"] + list(REPO.glob("plugins/*/src/**/*.py"))

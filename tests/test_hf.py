@@ -178,7 +178,7 @@ def test_gpt2_declares_no_plans_its_layers_are_found_and_its_logits_are_transfor
 POST_PROCESSED = {
     "cohere": {"logit_scale": 0.0625},  # logits x 1/16 after the head
     "granite": {"logits_scaling": 8.0},  # logits / 8
-    "gemma2": {"final_logit_softcapping": 3.0, "head_dim": 16, "attn_implementation": "eager"},  # tanh capping
+    "gemma2": {"final_logit_softcapping": 3.0, "head_dim": 16},  # tanh capping; attention eager by default
 }
 """Families that change the head's logits before the loss: parallelkit's model must do what theirs does."""
 
@@ -187,14 +187,10 @@ POST_PROCESSED = {
 def test_a_family_that_scales_its_logits_exports_a_model_with_parallelkits_logits(tmp_path, family):
     from parallelkit.models.hf_io import export_hf
 
-    extra = dict(POST_PROCESSED[family])
-    attn = extra.pop("attn_implementation", "sdpa")  # gemma2 refuses sdpa
-    model = HFCausalLM({"model_type": family, **TINY_LLAMA, **extra}, attn_implementation=attn).eval()
+    model = HFCausalLM({"model_type": family, **TINY_LLAMA, **POST_PROCESSED[family]}).eval()
     ckpt = tmp_path / "run.ckpt"
     torch.save({"state_dict": model.state_dict(), "hyper_parameters": dict(model.hparams)}, ckpt)
-    exported = transformers.AutoModelForCausalLM.from_pretrained(
-        export_hf(ckpt, tmp_path / "out"), attn_implementation=attn
-    )
+    exported = transformers.AutoModelForCausalLM.from_pretrained(export_hf(ckpt, tmp_path / "out"))
     tokens = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         torch.testing.assert_close(model(tokens), exported.eval()(input_ids=tokens).logits, rtol=1e-5, atol=1e-6)

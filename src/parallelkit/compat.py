@@ -281,6 +281,18 @@ def hf_pp_plan(model: Module) -> dict[str, Any]:
     return {**pieces, **(type(model)._pp_plan or {})}
 
 
+def hf_supports_sdpa(config: Any) -> bool:
+    """Whether the causal-LM class transformers builds for `config` runs torch's scaled_dot_product_attention (its
+    `_supports_sdpa`; Gemma 2's does not, for its attention softcapping). Unknown to the causal-LM mapping: True."""
+    import transformers
+
+    try:
+        family = transformers.MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return True
+    return bool(family._supports_sdpa)
+
+
 def hf_initialize(model: Module) -> None:
     """Run a Hugging Face model's own weight initialisation (`_init_weights` on every module) again, on tensors
     that already exist. transformers marks modules and tensors it initialised with `_is_hf_initialized` and skips

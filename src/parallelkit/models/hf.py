@@ -20,7 +20,7 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from parallelkit.compat import hf_initialize, hf_pp_plan, hf_tp_plan
+from parallelkit.compat import hf_initialize, hf_pp_plan, hf_supports_sdpa, hf_tp_plan
 from parallelkit.contract import ParallelPlan
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.init import building_on_meta, materialize, meta_parameters
@@ -144,7 +144,8 @@ class HFCausalLM(CausalLM):
         pretrained: A local directory as `save_pretrained` writes it (config.json and safetensors weights, sharded
             or not). Its weights replace the random initialisation; under `meta_init` each process reads only the
             parts of each tensor it holds. None: weights start from the seed (the model's own initialisation).
-        attn_implementation: transformers' attention kernel ("sdpa", "eager", ...).
+        attn_implementation: transformers' attention kernel ("sdpa", "eager", ...). Default: "sdpa" where the family
+            runs it, else "eager" (Gemma 2).
         lr: Peak AdamW learning rate, reached after the warmup.
         weight_decay: AdamW weight decay, applied to matrices and embeddings only (not norms).
         betas: AdamW betas.
@@ -160,7 +161,7 @@ class HFCausalLM(CausalLM):
         self,
         config: dict[str, Any] | str | None = None,
         pretrained: str | None = None,
-        attn_implementation: str = "sdpa",
+        attn_implementation: str | None = None,
         lr: float = 3e-3,
         weight_decay: float = 0.1,
         betas: tuple[float, float] = (0.9, 0.95),
@@ -179,13 +180,22 @@ class HFCausalLM(CausalLM):
             )
         self.pretrained_weights = SafetensorsWeights(pretrained) if pretrained is not None else None
         hf_config = build_config(config if config is not None else pretrained)
+        if attn_implementation is None:
+            attn_implementation = "sdpa" if hf_supports_sdpa(hf_config) else "eager"
         eager = not building_on_meta()
         # Always built without storage, then (unless a strategy will) allocated and initialised exactly as
         # meta_init does after sharding: so the eager build and a meta_init run hold the same weights.
         with meta_parameters():
-            self.model = transformers.AutoModelForCausalLM.from_config(
-                hf_config, attn_implementation=attn_implementation
-            )
+            try:
+                self.model = transformers.AutoModelForCausalLM.from_config(
+                    hf_config, attn_implementation=attn_implementation
+                )
+            except ValueError as err:  # transformers refuses a kernel the family does not run
+                raise ConfigError(
+                    f"model.attn_implementation={attn_implementation!r} is refused by transformers for "
+                    f"{hf_config.model_type}: {' '.join(str(err).split())} Fix: attn_implementation: eager, or leave "
+                    "it out (sdpa where the family runs it, else eager)."
+                ) from err
         self._plan: ParallelPlan | None = None
         with meta_parameters():
             add_adapters(self, lora)
