@@ -77,6 +77,35 @@ class TinyMixer(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
 
 
+class TokenBagClassifier(L.LightningModule):
+    """Activations of batch x features, not batch x sequence x features: the tokens' embeddings averaged, then a
+    column-wise and a row-wise layer, predicting each sample's last target token. Its plan has no norm to shard on a
+    sequence, so sequence parallelism (on by default with tp) has nothing to do here."""
+
+    tp_plan = {"fc1": "colwise", "fc2": "rowwise"}
+
+    def __init__(self, width: int = 64, lr: float = 0.1) -> None:
+        super().__init__()
+        self.lr = lr
+        self.embed = nn.Embedding(256, width)
+        self.fc1 = nn.Linear(width, 4 * width)
+        self.fc2 = nn.Linear(4 * width, width)
+        self.out = nn.Linear(width, 256)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        features = self.embed(x).mean(dim=1)
+        return self.out(features + self.fc2(torch.tanh(self.fc1(features))))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = F.cross_entropy(self(x), y[:, -1])
+        self.log("train_loss", loss, sync_dist=True, sync_dist_group=data_parallel_group(self.trainer.strategy))
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)
+
+
 class Network(nn.Module):
     """A decoder as a plain nn.Module (the reference GPT's layers): what a wrapper LightningModule holds."""
 

@@ -209,6 +209,10 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         ["run.yaml is not valid YAML at line 4, column 6", "expected ',' or ']'", "Fix the YAML there"],
     ),
     # DESIGN.md's mesh errors, through `fit` (test_cli.py checks them through `parallelkit env`).
+    "sequence parallelism asked of a plan with no sequence to shard": (
+        fit_config("hybrid.yaml", "--model=models.TokenBagClassifier", "--trainer.strategy.sequence_parallel=true"),
+        ["sequence_parallel=True, but TokenBagClassifier's tp_plan shards nothing on the sequence dim", "Fix:"],
+    ),
     "mesh product is not the world size": (
         fit_config("hybrid.yaml", "--trainer.strategy.mesh_shape=[[2, 3], [fsdp, tp]]"),
         ["fsdp=2 x tp=3 = 6 processes", "world size is 4", 'Fix: use mesh_shape [[2, 2], ["fsdp", "tp"]]'],

@@ -163,6 +163,17 @@ def test_user_model_with_its_own_plan_matches_single_process_on_2x2(tmp_path, co
     assert hybrid[STEPS - 1] < hybrid[0]
 
 
+def test_a_batch_by_features_model_with_a_colwise_rowwise_plan_trains_on_2x2_with_default_options(tmp_path, corpus):
+    """Sequence parallelism is on by default under tp, but this plan shards nothing on a sequence (its activations are
+    batch x features): it trains with it off, says so once, and equals one process."""
+    model = ["--model=models.TokenBagClassifier", *common(corpus, tmp_path / "cache")]
+    assert_ok(fit("single.yaml", tmp_path / "single", *model))
+    proc = fit("hybrid.yaml", tmp_path / "hybrid", *model)
+    assert_ok(proc)
+    assert (proc.stdout + proc.stderr).count("sequence_parallel off: TokenBagClassifier's tp_plan shards no norm") == 1
+    assert_same_losses(step_losses(tmp_path / "single"), step_losses(tmp_path / "hybrid"))
+
+
 def test_fsdp4_holds_under_a_third_of_the_single_process_training_state(tmp_path, corpus, fsdp4_fp32):
     """Parameters, gradients and AdamW state per rank on [[4, 1]] (the session's `fsdp4_fp32` run, shared with
     test_comm.py, whose ranks write them at the end of fit) against one process's after 2 steps."""

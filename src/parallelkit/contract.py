@@ -106,3 +106,12 @@ def _declared_head_counts(model: nn.Module, tp: Mapping[str, Any]) -> dict[str, 
         if heads is not None and fqn and split:
             counts[f"attention heads ({fqn})"] = heads
     return counts
+
+
+def shards_the_sequence(plan: ParallelPlan) -> bool:
+    """Whether `plan` shards a stream on the sequence dim under sequence parallelism: it names norms (or any module)
+    `sequence_parallel`, or gives a torch `SequenceParallel` style. Without one, column- and row-wise layers alone
+    see activations whose dim 1 need not be a sequence (batch x features)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    return any(style == "sequence_parallel" or isinstance(style, SequenceParallel) for style in plan.tp.values())

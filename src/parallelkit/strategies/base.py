@@ -20,7 +20,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from typing_extensions import override
 
@@ -48,7 +48,8 @@ from parallelkit.compat import (
     set_device_mesh,
     setup_distributed,
 )
-from parallelkit.errors import ConfigError
+from parallelkit.contract import parallel_plan, shards_the_sequence
+from parallelkit.errors import ConfigError, PlanError
 from parallelkit.grad_norm import clip_grad_norm_
 from parallelkit.init import has_meta_tensors, materialize, meta_parameters
 from parallelkit.lora import has_adapters, trainable_names
@@ -250,16 +251,24 @@ class ParallelkitStrategy(ModelParallelStrategy):
 
         tp = self.mesh_spec.size("tp")
         if tp > 1 and not is_overridden("configure_model", model):
-            tensor_parallel_plan(model, tp, **self.tp_options())
+            if self.sequence_parallel and not shards_the_sequence(parallel_plan(model)):
+                raise PlanError(
+                    f"sequence_parallel=True, but {type(model).__name__}'s tp_plan shards nothing on the sequence dim "
+                    "(no 'sequence_parallel' entry: norms on the residual stream), so there is no sequence-sharded "
+                    "stream for its column- and row-wise layers to take and give back. Fix: sequence_parallel: false "
+                    "(or leave it out), or add its norms to tp_plan as 'sequence_parallel'."
+                )
+            tensor_parallel_plan(model, tp, **self.tp_options(model))
 
-    def tp_options(self) -> dict[str, bool]:
-        """How tensor-parallel styles are resolved: sequence parallelism (default on when tp > 1), loss parallelism."""
-        return {
-            "sequence_parallel": self.mesh_spec.size("tp") > 1
-            if self.sequence_parallel is None
-            else self.sequence_parallel,
-            "loss_parallel": self.loss_parallel,
-        }
+    def tp_options(self, model: Any = None) -> dict[str, bool]:
+        """How tensor-parallel styles are resolved: sequence parallelism (default: on when tp > 1 and the plan of
+        `model`, default the LightningModule, shards norms on the sequence; a plan of column- and row-wise layers
+        alone, e.g. on batch x features activations, has no sequence to shard), loss parallelism."""
+        sequence_parallel = self.sequence_parallel
+        if sequence_parallel is None:
+            model = model if model is not None else self.lightning_module
+            sequence_parallel = self.mesh_spec.size("tp") > 1 and shards_the_sequence(parallel_plan(model))
+        return {"sequence_parallel": sequence_parallel, "loss_parallel": self.loss_parallel}
 
     def layout(self) -> dict[str, Any]:
         """The run's parallel layout: strategy, mesh and the size of every axis (1 where the mesh has none)."""
@@ -362,8 +371,14 @@ class ParallelkitStrategy(ModelParallelStrategy):
 
     def parallelize_options(self) -> dict[str, Any]:
         """The inner-axis options every strategy passes to `plan.parallelize`."""
+        tp_options = self.tp_options()
+        if self.mesh_spec.size("tp") > 1 and self.sequence_parallel is None and not tp_options["sequence_parallel"]:
+            rank_zero_info(
+                f"sequence_parallel off: {type(self.lightning_module).__name__}'s tp_plan shards no norm on the "
+                "sequence dim (no 'sequence_parallel' entry), so its activations stay whole on every tp rank."
+            )
         return {
-            **self.tp_options(),
+            **tp_options,
             "activation_checkpointing": self.activation_checkpointing,
             "compile": self.compile_backend(),
             "reshard_after_forward": self.reshard_after_forward,
