@@ -242,7 +242,7 @@ class HFCausalLM(CausalLM):
         # The model's own forward, so that what a family does between its decoder stack and the loss (Cohere's
         # logit_scale, Granite's logits_scaling, Gemma's final softcapping) is done as transformers does it.
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        return self.model(input_ids=input_ids, position_ids=positions, use_cache=False, logits_to_keep=0).logits
+        return self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
 
     # -- the parallel plan -----------------------------------------------------------------------------------
     def _names(self) -> dict[str, str]:
