@@ -328,22 +328,35 @@ class CrashOnce(L.Callback):
             os.kill(os.getpid(), signal.SIGKILL)
 
 
-class DieAfterSaving(L.Callback):
-    """SIGKILLs every rank as soon as the save of checkpoint `name` at global step `step` returns: in ModelCheckpoint's
-    on_train_batch_end, before the loop hands that step's metrics to the loggers."""
+class DieBeforeLogging(L.Callback):
+    """SIGKILLs every rank at the end of the training batch that reaches global step `step`: after every
+    on_train_batch_end hook (ModelCheckpoint's saves, and its removals of the checkpoints they replace), before the
+    loop hands that step's metrics to the loggers. The module's own hook is the last the loop runs there."""
 
-    def __init__(self, step: int, name: str = "last.ckpt") -> None:
-        self.step, self.name = step, name
+    def __init__(self, step: int) -> None:
+        self.step = step
 
     def setup(self, trainer, pl_module, stage) -> None:
-        save = trainer.strategy.save_checkpoint
+        hook = pl_module.on_train_batch_end
 
-        def save_then_die(checkpoint, filepath, storage_options=None):
-            save(checkpoint, filepath, storage_options)
-            if trainer.global_step == self.step and Path(filepath).name == self.name:
+        def then_die(*args, **kwargs):
+            hook(*args, **kwargs)
+            if trainer.global_step == self.step:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        trainer.strategy.save_checkpoint = save_then_die
+        pl_module.on_train_batch_end = then_die
+
+
+class SigtermAt(L.Callback):
+    """Sends this process SIGTERM as the training batch that reaches global step `step` starts: on one process,
+    parallelkit's PreemptionCheckpoint stops the job at the end of that batch."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step + 1 == self.step:
+            os.kill(os.getpid(), signal.SIGTERM)
 
 
 class StopAfter(L.Callback):

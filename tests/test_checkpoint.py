@@ -400,22 +400,43 @@ def straight_fsdp2(reference):
     return reference("hybrid.yaml", *FSDP2).losses()
 
 
-def test_a_kill_between_saving_last_and_logging_its_step_loses_no_logged_step(tmp_path, corpus, straight_fsdp2):
-    """Every rank dies as soon as last.ckpt of step 6 is saved, before Lightning logs that step's metrics (it does
-    after every on_train_batch_end hook): the checkpoint was not published yet, so `last` is still step 3's, and the
-    first run's log and the relaunch's together hold every step, with the uninterrupted run's losses."""
+def test_a_kill_between_checkpointing_a_step_and_logging_it_loses_no_logged_step(tmp_path, corpus, straight_fsdp2):
+    """Every rank dies at the end of step 6's on_train_batch_end hooks, where ModelCheckpoint (save_top_k=1,
+    save_last) saved step 6 and last.ckpt and removed step 3's checkpoint, before Lightning logs that step (it does
+    after those hooks). Neither save was published, and the removal waited for them: step 3's checkpoint and `last`
+    (step 3's) are there, and the first run's log and the relaunch's together hold every step, with the uninterrupted
+    run's losses. The relaunch publishes each checkpoint once its step is logged and leaves no staging behind."""
     ckpt = tmp_path / "ckpt"
-    common_args = (*common(corpus, tmp_path / "cache"), *FSDP2, checkpoint_every(ckpt, 3, last=True))
-    proc = fit("hybrid.yaml", tmp_path / "first", *common_args, callback("models.DieAfterSaving", step=6))
+    keep_one = (
+        '--trainer.callbacks+={"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": '
+        f'{{"dirpath": "{ckpt}", "every_n_train_steps": 3, "save_last": true}}}}'
+    )
+    common_args = (*common(corpus, tmp_path / "cache"), *FSDP2, keep_one)
+    proc = fit("hybrid.yaml", tmp_path / "first", *common_args, callback("models.DieBeforeLogging", step=6))
     assert proc.returncode != 0
     first = step_losses(tmp_path / "first")
     assert sorted(first) == [0, 1, 2, 3, 4], "the kill came after step 5 was logged"
-    assert (ckpt / "last.ckpt.partial" / ".metadata").is_file()  # written whole, never published
+    left = ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt.partial", "last.ckpt", "last.ckpt.partial"]
+    assert sorted(p.name for p in ckpt.iterdir()) == left
     assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *common_args, "--ckpt_path=last"))
     resumed = step_losses(tmp_path / "resumed")
     assert min(resumed) == 3 and set(first) | set(resumed) == set(range(STEPS))
     assert_same_losses({s: straight_fsdp2[s] for s in first}, first, rtol=1e-6)
     assert_same_losses({s: straight_fsdp2[s] for s in resumed}, resumed, rtol=1e-6)
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=18.ckpt", "last.ckpt"]
+
+
+def test_sigterm_at_a_checkpointing_step_publishes_that_steps_checkpoint(tmp_path, corpus):
+    """One process under a parallelkit strategy, SIGTERMed in the step that ModelCheckpoint saves at step 6:
+    Lightning raises SIGTERMException once that step is logged, before another batch starts, and
+    PreemptionCheckpoint saves last.ckpt. Step 6's checkpoint is published beside it, not left under its staging
+    name waiting for a next batch."""
+    ckpt = tmp_path / "ckpt"
+    one = ["--trainer.devices=1", '--trainer.strategy.mesh_shape=[[1, 1], ["fsdp", "tp"]]']
+    overrides = (*one, checkpoint_every(ckpt, 3), callback("models.SigtermAt", step=6))
+    assert_ok(fit("hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache"), *overrides))
+    assert max(step_losses(tmp_path)) == 5
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
 
 
 def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus, straight_fsdp2):

@@ -456,7 +456,9 @@ class ParallelkitStrategy(ModelParallelStrategy):
         hold extra state; a single-file checkpoint does not, and this is not called for one.
         """
 
-    _unpublished: tuple[tuple[Path, Path], ...] = ()  # (staging, path) of saves that wait for their step's logs
+    # Rank 0's saves that wait for their step's logs, (staging, path), and the removals that wait for them,
+    # (None, path), in the order ModelCheckpoint asked for them.
+    _unpublished: tuple[tuple[Path | None, Path], ...] = ()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -467,10 +469,20 @@ class ParallelkitStrategy(ModelParallelStrategy):
         A checkpoint saved at the end of a training step (ModelCheckpoint's `every_n_train_steps`) is renamed only
         once Lightning has handed that step's metrics to the loggers, which it does after every batch-end hook: a run
         killed in between would otherwise leave `last` on a step its logs lack, and the relaunch would resume after
-        it. So the logs of a run that survived faults have every step."""
+        it. So the logs of a run that survived faults have every step. The checkpoints ModelCheckpoint removes in that
+        step (those the new one replaces) are removed after it is published (`remove_checkpoint`).
+
+        "Handed to the loggers" is "on disk" here without a flush of ours: Lightning calls each logger's `save()` right
+        after its `log_metrics()` (CSVLogger writes its rows then, whatever `flush_logs_every_n_steps` says; TensorBoard
+        flushes its writer). A flush before the save could not help: the step's metrics are in no logger yet."""
         path = Path(self.broadcast(str(filepath)))
         staging = staging_path(path)
+        logging = logging_a_step(self.lightning_module.trainer)
         if self.is_global_zero:
+            if not logging:
+                # Outside a step's end hooks, the step of any waiting save is logged (SIGTERM's `last.ckpt` comes
+                # after it, before the next batch): publish those first, so that saves of one path land in order.
+                self._publish_logged()
             remove(staging)  # left by a crashed save
         self.barrier()
         if self.save_distributed_checkpoint and storage_options is None:
@@ -485,7 +497,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
             super().save_checkpoint(checkpoint, staging, storage_options)
         self.barrier()
         if self.is_global_zero:
-            if logging_a_step(self.lightning_module.trainer):
+            if logging:
                 self._unpublished += ((staging, path),)
             else:
                 publish(staging, path)
@@ -541,22 +553,44 @@ class ParallelkitStrategy(ModelParallelStrategy):
         return self._load_sharded(path, weights_only) if path.is_dir() else self._load_single_file(path, weights_only)
 
     @override
-    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
-        # The loop's first call into the strategy after it logged the step in which checkpoints were saved.
+    def remove_checkpoint(self, filepath: Any) -> None:
+        # ModelCheckpoint removes the checkpoint a save replaces (save_top_k, a renamed `last`) right after that save:
+        # removed before the save is published, a kill in between would leave no checkpoint to resume from.
+        if self._unpublished:
+            self._unpublished += ((None, Path(filepath)),)
+        else:
+            super().remove_checkpoint(filepath)
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # The loop logged the previous step before it starts this one (every batch comes here, `batch_to_device` not
+        # when the training step takes the dataloader iterator).
         self._publish_logged()
-        return super().batch_to_device(batch, device, dataloader_idx)
+        super().on_train_batch_start(batch, batch_idx)
 
     @override
     def on_train_end(self) -> None:
         self._publish_logged()
         super().on_train_end()
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        # Lightning raises SIGTERMException once the step is logged, before the next batch starts: that step's saves
+        # are published. An exception from inside a step's end hooks leaves them unpublished, as a kill there would.
+        if self._unpublished and not logging_a_step(self.lightning_module.trainer):
+            self._publish_logged()
+        super().on_exception(exception)
+
     def _publish_logged(self) -> None:
-        """Publish the checkpoints saved in the step whose metrics the loop has now logged (see `save_checkpoint`).
-        Rank 0's: every rank finished writing them during the save."""
+        """Publish the checkpoints saved in the step whose metrics the loop has now logged, and make the removals that
+        waited for them, in the order asked (see `save_checkpoint`). Rank 0's: every rank finished writing them during
+        the save."""
         unpublished, self._unpublished = self._unpublished, ()
         for staging, path in dict.fromkeys(unpublished):  # a path saved twice in the step: once
-            publish(staging, path)
+            if staging is None:
+                super().remove_checkpoint(path)
+            else:
+                publish(staging, path)
 
     def _load_sharded(self, path: Path, weights_only: bool | None) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
