@@ -63,7 +63,6 @@ PIPELINE = (
 LAYOUTS = {
     # [[2, 2]] with default sequence parallelism is the shared reference run (its checkpoint is resumed below).
     "llama_tp2_loss_parallel": ((), mesh('[[1, 2], ["fsdp", "tp"]]', 2, 8, "--trainer.strategy.loss_parallel=true")),
-    "llama_1f1b_pp2": ((), (*PIPELINE, *mesh('[[2], ["pp"]]', 2, 8))),
     "qwen3_tied_tp2": (qwen3(), mesh('[[1, 2], ["fsdp", "tp"]]', 2, 8)),
     "qwen3_tied_2x2": (qwen3(), ()),
     "gpt2_fsdp2": ((f"--model.init_args.config={json.dumps(GPT2)}",), mesh('[[2, 1], ["fsdp", "tp"]]', 2, 4)),
@@ -146,7 +145,8 @@ def test_plan_reads_the_models_own_tp_and_pipeline_plans():
     assert contract.tp[f"{layers}.self_attn.o_proj"] == "rowwise"
     assert contract.tp[f"{layers}.self_attn.q_norm"] == "head_norm"  # HF: replicated_with_grad_allreduce
     assert contract.tp[f"{layers}.input_layernorm"] == "sequence_parallel"  # added: the residual stream's norms
-    assert contract.tp["model.model.embed_tokens"] == "vocab_embedding"
+    assert contract.tp["model.model.embed_tokens"] == "vocab_embedding_whole"  # masks are built from it, whole
+    assert contract.tp["model.model.layers.0"] == "shard_sequence"  # the stream is sharded from there on
     assert contract.tp["model.lm_head"] == "vocab_head"
     assert contract.tp_divisors == {
         "attention heads (num_attention_heads)": 4,
@@ -156,12 +156,11 @@ def test_plan_reads_the_models_own_tp_and_pipeline_plans():
     assert contract.pipeline_layers == ["model.model.embed_tokens", layers, "model.model.norm", "model.lm_head"]
 
 
-def test_pipeline_refuses_tied_embeddings_and_unchecked_families_with_the_fix():
+def test_pipeline_refuses_tied_embeddings_and_families_without_a_pipeline_plan_with_the_fix():
     with pytest.raises(PlanError, match="tied weights cannot be split.*tie_word_embeddings: false"):
         pipeline_layer_names(build(QWEN3, on_meta=True))
-    gemma = {**QWEN3, "model_type": "gemma3_text", "sliding_window": None}
-    with pytest.raises(PlanError, match="not 'gemma3_text'.*Fix: train it with fsdp_tp"):
-        pipeline_layer_names(build(gemma, on_meta=True))
+    with pytest.raises(PlanError, match="no pipeline plan for gpt2 .*Fix: train it with fsdp_tp"):
+        pipeline_layer_names(build(GPT2, on_meta=True))
 
 
 def test_gpt2_declares_no_plans_its_layers_are_found_and_its_logits_are_transformers_own():

@@ -7,7 +7,7 @@ one of `STYLES` or a torch `ParallelStyle` instance, used as given.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
@@ -26,16 +26,27 @@ STYLES = (
     "gather_input",
     "colwise",
     "rowwise",
+    "rowwise_split_input",
     "colwise_gather",
     "sequence_parallel",
+    "shard_sequence",
     "vocab_embedding",
+    "vocab_embedding_whole",
     "vocab_head",
     "head_norm",
     "replicate",
 )
 """Style names a `tp_plan` may use; what each becomes depends on sequence/loss parallelism (`tp_style`)."""
 
-SHARDING_STYLES = ("colwise", "rowwise", "colwise_gather", "vocab_embedding", "vocab_head")
+SHARDING_STYLES = (
+    "colwise",
+    "rowwise",
+    "rowwise_split_input",
+    "colwise_gather",
+    "vocab_embedding",
+    "vocab_embedding_whole",
+    "vocab_head",
+)
 """Styles that split a module's weights over the tp group (each rank holds 1 / tp of them)."""
 
 GATHERING_STYLES = ("gather_input", "colwise", "colwise_gather", "vocab_head")
@@ -90,41 +101,67 @@ def _replicate_style() -> ParallelStyle:
     return _Replicate()
 
 
-def _gather_input_style() -> ParallelStyle:
-    """All-gather a module's sequence-sharded input once, for the column-wise layers inside it to share.
+def _input_hook(change: Callable[[Any, DeviceMesh], Any]) -> ParallelStyle:
+    """A style that changes a module's input with `change(x, mesh)` before its forward, and nothing else.
 
     The input is the first positional tensor, or else the keyword argument named as the module's `forward`'s first
-    parameter (transformers calls attention with `hidden_states=...`). It reaches the module as this rank's local
-    part of a Shard(1) stream and leaves the hook as a Replicate DTensor: the column-wise layers take it as it is,
-    and in backward their partial input gradients add up into one reduce-scatter.
+    parameter (transformers calls attention with `hidden_states=...`).
     """
     import inspect
 
     import torch
-    from torch.distributed.tensor import DTensor, Replicate, Shard
     from torch.distributed.tensor.parallel import ParallelStyle
+
+    class _InputHook(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            first = next(iter(inspect.signature(module.forward).parameters), None)
+
+            def hook(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+                index = next((i for i, x in enumerate(args) if isinstance(x, torch.Tensor)), None)
+                if index is not None:
+                    args = (*args[:index], change(args[index], device_mesh), *args[index + 1 :])
+                elif first in kwargs:
+                    kwargs = {**kwargs, first: change(kwargs[first], device_mesh)}
+                return args, kwargs
+
+            module.register_forward_pre_hook(hook, with_kwargs=True)
+            return module
+
+    return _InputHook()
+
+
+def _gather_input_style() -> ParallelStyle:
+    """All-gather a module's sequence-sharded input once, for the column-wise layers inside it to share.
+
+    The input reaches the module as this rank's local part of a Shard(1) stream and leaves the hook as a Replicate
+    DTensor: the column-wise layers take it as it is, and in backward their partial input gradients add up into one
+    reduce-scatter.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     def gathered(x: Any, mesh: DeviceMesh) -> Any:
         if _plain_tensor(x):  # this rank's part of the stream (a sequence-parallel norm may hand a DTensor)
             x = DTensor.from_local(x, mesh, [Shard(1)], run_check=False)
         return x.redistribute(mesh, [Replicate()]) if isinstance(x, DTensor) else x
 
-    class _GatherInput(ParallelStyle):
-        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-            first = next(iter(inspect.signature(module.forward).parameters), None)
+    return _input_hook(gathered)
 
-            def gather(_module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-                index = next((i for i, x in enumerate(args) if isinstance(x, torch.Tensor)), None)
-                if index is not None:
-                    args = (*args[:index], gathered(args[index], device_mesh), *args[index + 1 :])
-                elif first in kwargs:
-                    kwargs = {**kwargs, first: gathered(kwargs[first], device_mesh)}
-                return args, kwargs
 
-            module.register_forward_pre_hook(gather, with_kwargs=True)
-            return module
+def _shard_sequence_style() -> ParallelStyle:
+    """Where the sequence-sharded stream begins: the module's input is the whole sequence (the same on every tp
+    rank) and it computes on this rank's part of it (no communication; backward all-gathers the gradient).
 
-    return _GatherInput()
+    For models that derive attention masks, positions or other per-token inputs from the embedding's output before
+    their first block (transformers' models): they see the whole sequence, as on one process.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def sharded(x: Any, mesh: DeviceMesh) -> Any:
+        if _plain_tensor(x):
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+        return x.redistribute(mesh, [Shard(1)]).to_local() if isinstance(x, DTensor) else x
+
+    return _input_hook(sharded)
 
 
 def _plain_tensor(x: Any) -> bool:
@@ -151,10 +188,14 @@ def tp_style(
     match name:
         case "gather_input":
             return _gather_input_style() if sequence_parallel else None
+        case "shard_sequence":
+            return _shard_sequence_style() if sequence_parallel else None
         case "colwise":
             return ColwiseParallel(input_layouts=source)
         case "rowwise":
             return RowwiseParallel(output_layouts=stream)
+        case "rowwise_split_input":  # its input is whole on every rank (after a colwise_gather): each takes its part
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
         case "colwise_gather":
             return ColwiseParallel(input_layouts=source, output_layouts=Replicate())
         case "head_norm":
@@ -163,10 +204,14 @@ def tp_style(
             # the replicated weight's gradient is a partial sum that DTensor all-reduces over the tp group.
             return SequenceParallel(sequence_dim=2, use_local_output=True)
         case "sequence_parallel":
-            # Without sequence parallelism a norm sees the whole sequence on every tp rank: nothing to do.
-            return SequenceParallel() if sequence_parallel else None
+            # Without sequence parallelism a norm sees the whole sequence on every tp rank: nothing to do. Its
+            # output is this rank's part as a plain tensor, as the residual stream is: a norm after a row-wise
+            # layer (Gemma's post-norms) feeds the residual sum.
+            return SequenceParallel(use_local_output=True) if sequence_parallel else None
         case "vocab_embedding":
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+        case "vocab_embedding_whole":  # the stream is sharded later, where a module says shard_sequence
+            return RowwiseParallel(input_layouts=Replicate(), output_layouts=Replicate())
         case "vocab_head":
             # Loss parallelism keeps logits sharded on the vocab dim into the cross-entropy.
             return ColwiseParallel(
@@ -182,10 +227,10 @@ def tp_style(
 def _check_divisible(model: nn.Module, fqn: str, module: nn.Module, style: str, tp: int) -> None:
     dims: dict[str, int] = {}
     if isinstance(module, nn.Linear):
-        dims = {"in_features": module.in_features} if style == "rowwise" else {}
+        dims = {"in_features": module.in_features} if style in ("rowwise", "rowwise_split_input") else {}
         if style in ("colwise", "vocab_head"):
             dims = {"out_features": module.out_features}
-    elif isinstance(module, nn.Embedding) and style == "vocab_embedding":
+    elif isinstance(module, nn.Embedding) and style in ("vocab_embedding", "vocab_embedding_whole"):
         dims = {"num_embeddings": module.num_embeddings}
     for dim, size in dims.items():
         if size % tp:

@@ -25,22 +25,20 @@ from parallelkit.contract import ParallelPlan
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.init import building_on_meta, materialize, meta_parameters
 from parallelkit.lora import LoRA, add_adapters, as_lora, config_dict, is_adapter, reset_adapters
+from parallelkit.models.hf_families import PIPELINE_FAMILIES
 from parallelkit.models.hf_io import SafetensorsWeights, load_weights
 from parallelkit.models.lm import CausalLM
 
 HF_STYLES = {
     "colwise": "colwise",
     "rowwise": "rowwise",
+    "rowwise_split_input": "rowwise_split_input",
     "colwise_gather_output": "colwise_gather",
     "embedding_rowwise": "vocab_embedding",
     "replicated_with_grad_allreduce": "head_norm",
 }
 """transformers 5.x tensor-parallel style names -> parallelkit's (`parallelkit.plan.STYLES`). The output
 embedding's `colwise_gather_output` becomes `vocab_head` (so loss parallelism can keep its logits sharded)."""
-
-PIPELINE_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
-"""Model types whose decoder layers a pipeline stage runs as their base model does (hidden states, rotary
-position embeddings, causal attention without a mask). Checked by loss parity for llama and qwen3."""
 
 SUPPORTED_TRANSFORMERS = ">=5.0,<6"
 
@@ -197,6 +195,7 @@ class HFCausalLM(CausalLM):
                     "it out (sdpa where the family runs it, else eager)."
                 ) from err
         self._plan: ParallelPlan | None = None
+        self._module_names: dict[str, str] | None = None
         with meta_parameters():
             add_adapters(self, lora)
         if eager:
@@ -237,26 +236,36 @@ class HFCausalLM(CausalLM):
 
     @override
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # Positions from the whole sequence: under sequence parallelism the embedding's output (from which
-        # transformers would count them) holds only this rank's part of it.
         # The model's own forward, so that what a family does between its decoder stack and the loss (Cohere's
-        # logit_scale, Granite's logits_scaling, Gemma's final softcapping) is done as transformers does it.
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-        return self.model(input_ids=input_ids, position_ids=positions, use_cache=False).logits
+        # logit_scale, Granite's logits_scaling, Gemma's final softcapping) is done as transformers does it. Positions
+        # too are the model's own: under sequence parallelism the embedding's output, from which transformers counts
+        # them, still holds the whole sequence (the stream is sharded from the first decoder layer on).
+        return self.model(input_ids=input_ids, use_cache=False).logits
 
     # -- the parallel plan -----------------------------------------------------------------------------------
     def _names(self) -> dict[str, str]:
-        """Module names, relative to this LightningModule, of the pieces the plan refers to."""
-        base = f"model.{self.model.base_model_prefix}"
-        head = next(name for name, m in self.model.named_modules() if m is self.model.get_output_embeddings())
-        embed = next(name for name, m in self.model.named_modules() if m is self.model.get_input_embeddings())
-        return {"base": base, "head": f"model.{head}", "embed": f"model.{embed}", "layers": f"{base}.{self._layers()}"}
+        """Module names, relative to this LightningModule, of the pieces the plan refers to: read once, from the
+        whole model (a pipeline stage later drops the modules it does not hold)."""
+        if self._module_names is None:
+            named = list(self.model.named_modules())
+            base = next(f"model.{name}".rstrip(".") for name, m in named if m is self.model.base_model)
+            head = next(name for name, m in named if m is self.model.get_output_embeddings())
+            embed = next(name for name, m in named if m is self.model.get_input_embeddings())
+            layers = f"{base}.{self._layers()}"
+            # The final norm: the pipeline plan's module after the decoder layers (other than the head).
+            plan = [f"model.{name}" for name in hf_pp_plan(self.model)]
+            after = plan[plan.index(layers) + 1 :] if layers in plan else []
+            norm = next((name for name in after if name != f"model.{head}"), "")
+            self._module_names = {
+                "base": base, "head": f"model.{head}", "embed": f"model.{embed}", "layers": layers, "norm": norm
+            }
+        return self._module_names
 
     def _layers(self) -> str:
         """The name, in the base model, of its decoder layers: the module list its pipeline plan declares, else its
-        largest module list (GPT-2's `h`, which declares no plans)."""
+        largest module list at any depth (GPT-2's `h`, OPT's `decoder.layers`, which declare no pipeline plan)."""
         base = self.model.base_model
-        lists = {name: m for name, m in base.named_children() if isinstance(m, nn.ModuleList)}
+        lists = {name: m for name, m in base.named_modules() if name and isinstance(m, nn.ModuleList)}
         declared = [name for name in self.config.base_model_pp_plan or {} if name in lists]
         if declared:
             return declared[0]
@@ -298,16 +307,18 @@ class HFCausalLM(CausalLM):
                 f"it translates {', '.join(HF_STYLES)}. Fix: train it without a tp axis (e.g. mesh_shape [[-1], "
                 '["fsdp"]]), or give it a plan (subclass HFCausalLM and override parallel_plan()).'
             )
-        tp.setdefault(names["embed"], "vocab_embedding")
+        # The embedding's output stays whole: the base model builds attention masks (sliding windows, per-layer
+        # types) and position embeddings from it, as on one process. Under sequence parallelism the residual stream
+        # is sharded from the first decoder layer on, and its norms compute on their rank's part (no-ops otherwise).
+        tp[names["embed"]] = "vocab_embedding_whole"
         tp.setdefault(names["head"], "vocab_head")
-        # The residual stream between blocks is sequence-sharded under sequence parallelism: the norms on it
-        # compute on their rank's part (no-ops otherwise).
+        tp[f"{names['layers']}.0"] = "shard_sequence"
         layers = self.model.get_submodule(names["layers"].removeprefix("model."))
         for child, module in layers[0].named_children():
             if "norm" in type(module).__name__.lower():
                 tp[f"{names['layers']}.*.{child}"] = "sequence_parallel"
-        if isinstance(getattr(self.model.base_model, "norm", None), nn.Module):
-            tp[f"{names['base']}.norm"] = "sequence_parallel"
+        if names["norm"]:
+            tp[names["norm"]] = "sequence_parallel"
         # A decoder layer's attention and MLP feed one input to several column-wise projections (q, k, v; gate,
         # up): gathered once at the module under sequence parallelism, not once per projection.
         in_layer = f"{names['layers']}.*."
@@ -321,14 +332,10 @@ class HFCausalLM(CausalLM):
             pipeline_layers=self._pipeline_layers(),
             pipeline_refusal=self._pipeline_refusal(),
             tp_refusal=refusal,
-            tp_divisors={
-                "attention heads (num_attention_heads)": config.num_attention_heads,
-                "key/value heads (num_key_value_heads)": getattr(config, "num_key_value_heads", None)
-                or config.num_attention_heads,
-            },
+            tp_divisors=self._head_counts(),
             loss=self.pipeline_loss,
             stage_forward=self._run_stage,
-            stage_modules=[f"{names['base']}.rotary_emb"] if hasattr(self.model.base_model, "rotary_emb") else [],
+            stage_modules=self._stage_modules(),
             flops_per_token=self.flops_per_token,
             description=description,
         )
@@ -336,54 +343,212 @@ class HFCausalLM(CausalLM):
     def _pipeline_layers(self) -> list[str]:
         layers = []
         for name in hf_pp_plan(self.model):
-            module = self.model.get_submodule(name)
+            module = self.model.get_submodule(name) if self._missing_pipeline_module() is None else None
             layers.append(f"model.{name}.*" if isinstance(module, nn.ModuleList) else f"model.{name}")
         return layers
 
+    def _missing_pipeline_module(self) -> str | None:
+        """A module the pipeline plan names that the model does not have (its plan is out of date), or None."""
+        for name in hf_pp_plan(self.model):
+            try:
+                self.model.get_submodule(name)
+            except AttributeError:
+                return name
+        return None
+
+    def _head_counts(self) -> dict[str, int]:
+        """The head counts tp must divide (a rank holds whole heads); none for a family without attention heads."""
+        heads = getattr(self.config, "num_attention_heads", None)
+        if not isinstance(heads, int):
+            return {}
+        return {
+            "attention heads (num_attention_heads)": heads,
+            "key/value heads (num_key_value_heads)": getattr(self.config, "num_key_value_heads", None) or heads,
+        }
+
+    def _stage_modules(self) -> list[str]:
+        """The base model's modules outside its pipeline layers that hold no parameters (rotary-embedding tables):
+        every stage holds them, for the base model's forward that reads what each layer is handed."""
+        base, names = self.model.base_model, self._names()
+        layers = {f"model.{name}" for name in hf_pp_plan(self.model)}
+        return [
+            f"{names['base']}.{child}"
+            for child, module in base.named_children()
+            if f"{names['base']}.{child}" not in layers and not any(True for _ in module.parameters())
+        ]
+
     def _pipeline_refusal(self) -> str:
-        config = self.config
-        if config.model_type not in PIPELINE_FAMILIES:
+        model_type = self.config.model_type
+        if not hf_pp_plan(self.model):
             return (
-                f"pipeline stages run a Hugging Face model's decoder layers one by one, as its base model does; "
-                f"parallelkit does this for {', '.join(PIPELINE_FAMILIES)}, not {config.model_type!r} (its forward "
-                "may do more between layers). Fix: train it with fsdp_tp."
+                f"transformers declares no pipeline plan for {model_type} (base_model_pp_plan: its modules in order), "
+                "so parallelkit cannot tell where its stages may be cut. Fix: train it with fsdp_tp."
             )
-        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+        if (missing := self._missing_pipeline_module()) is not None:
             return (
-                f"{config.model_type} with sliding_window={config.sliding_window} needs an attention mask per layer, "
-                "which pipeline stages do not build. Fix: sliding_window: null in the config, or fsdp_tp."
+                f"transformers' pipeline plan for {model_type} names {missing}, which the model does not have. Fix: "
+                "train it with fsdp_tp."
+            )
+        if model_type not in PIPELINE_FAMILIES:
+            return (
+                f"pipeline stages run a Hugging Face model's decoder layers one by one, with what its base model "
+                f"hands each; for {model_type!r} two stages do not compute the model's own logits (or its tiny config "
+                "could not be checked) in parallelkit's family sweep, tests/test_hf_families.py. Fix: train it with "
+                "fsdp_tp."
             )
         return ""
 
     def _run_stage(self, layers: list[tuple[str, nn.Module]], *args: torch.Tensor) -> Any:
-        """One pipeline stage: the first takes token ids; the others take `(hidden states, positions)` and hand
-        the same on, recomputing the rotary embeddings from the positions; the last returns logits."""
-        base = self.model.base_model
-        if layers[0][1] is self.model.get_input_embeddings():
+        """One pipeline stage: the first takes token ids; the others take `(hidden states, positions)` and hand the
+        same on; the last returns logits.
+
+        Everything between the layers is the model's own code: the base model's forward runs with its decoder
+        layers replaced by recorders, so each layer is called with exactly what the base model hands it (masks per
+        layer type, rotary tables, positions; on the first stage, the embedding as the base model scales it), and
+        the head runs in the model's own forward on the last stage's hidden states (Cohere's scale, Gemma's
+        capping)."""
+        names = self._names()
+        first = layers[0][0] == names["embed"]
+        decoders = [(index, module) for name, module in layers if (index := self._decoder_index(name)) is not None]
+        if first:
             (input_ids,) = args
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-            x = input_ids
+            calls = self._layer_calls({0, *(i for i, _ in decoders)}, {"input_ids": input_ids}, positions)
+            x = _hidden_states(*calls[0])  # the embedding's output as the base model hands it to layer 0
         else:
             x, positions = args
-        rotary = None
-        for _, layer in layers:
-            if layer is self.model.get_output_embeddings():
-                return layer(x)  # PIPELINE_FAMILIES do nothing to the head's logits
-            if isinstance(layer, (nn.Embedding,)) or layer is getattr(base, "norm", None):
-                x = layer(x)
-                continue
-            if rotary is None:
-                rotary = base.rotary_emb(x, positions)
-            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rotary, use_cache=False)
-            x = x[0] if isinstance(x, tuple) else x
+            whole = (x.shape[0], positions.shape[-1], *x.shape[2:])  # the whole sequence (sequence parallelism)
+            calls = self._layer_calls({i for i, _ in decoders}, {"inputs_embeds": x.new_zeros(whole)}, positions)
+        for index, layer in decoders:
+            x = _run_layer(layer, x, *calls[index])
+        held = {name for name, _ in layers}
+        if names["norm"] in held:
+            x = self.model.get_submodule(names["norm"].removeprefix("model."))(x)
+        if names["head"] in held:
+            return self._logits(x)
         return x, positions
+
+    def _decoder_index(self, name: str) -> int | None:
+        """The index of decoder layer `name` (`model.model.layers.3` -> 3), or None for another module."""
+        rest = name.removeprefix(f"{self._names()['layers']}.")
+        return int(rest) if rest != name and rest.isdigit() else None
+
+    def _layer_calls(
+        self, wanted: set[int], inputs: dict[str, torch.Tensor], positions: torch.Tensor
+    ) -> dict[int, tuple[tuple[Any, ...], dict[str, Any]]]:
+        """`{index: (args, kwargs)}`: what the base model's forward hands each decoder layer in `wanted`. It runs
+        with its decoder layers replaced by recorders and the modules this stage does not hold, and the final norm,
+        by identities, and stops at the last wanted layer. Stages after the first run it on zeros the shape of
+        the whole sequence's hidden states: masks and position tables depend on shapes and positions alone."""
+        base, names = self.model.base_model, self._names()
+        calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
+        last = max(wanted, default=-1)
+        count = len(self.model.get_submodule(names["layers"].removeprefix("model.")))
+        swapped: dict[str, nn.Module] = {names["layers"]: nn.ModuleList(_Recorder(i, calls, i == last) for i in range(count))}
+        for child, module in base.named_children():
+            if module is None or f"{names['base']}.{child}" == names["norm"]:
+                swapped[f"{names['base']}.{child}"] = nn.Identity()
+        saved = {name: self.get_submodule(name) if self._holds(name) else None for name in swapped}
+        try:
+            for name, module in swapped.items():
+                self._put(name, module)
+            base(**inputs, position_ids=positions, use_cache=False)
+        except _Recorded:
+            pass
+        finally:
+            for name, module in saved.items():
+                self._put(name, module)
+        return calls
+
+    def _holds(self, name: str) -> bool:
+        parent, _, leaf = name.rpartition(".")
+        return getattr(self.get_submodule(parent), leaf, None) is not None
+
+    def _put(self, name: str, module: nn.Module | None) -> None:
+        parent, _, leaf = name.rpartition(".")
+        self.get_submodule(parent).register_module(leaf, module)
+
+    def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The head's logits from the last hidden states, through the model's own forward (its base model replaced
+        by one that returns them), so a family's post-processing is transformers' own."""
+        prefix = self._names()["base"].removeprefix("model.")
+        base = getattr(self.model, prefix)
+        self.model.register_module(prefix, _Returns(_LastHidden(hidden)))
+        try:
+            ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
+            return self.model(input_ids=ids, use_cache=False).logits
+        finally:
+            self.model.register_module(prefix, base)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token of the layers this module holds: 6 per weight of every
-        linear layer (the embedding lookup is none), plus 12 x (heads x head_dim) x sequence length per attention
-        layer for scores and values."""
+        linear layer (transformers' Conv1D, GPT-2's, included; the embedding lookup is none), plus 12 x (heads x
+        head_dim) x sequence length per attention layer for scores and values."""
         config = self.config
-        linear = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        attention = sum(1 for name, _ in self.named_modules() if name.endswith("self_attn"))
-        return 6.0 * linear + 12.0 * attention * config.num_attention_heads * head_dim * seq_len
+        linear = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear) or _is_conv1d(m))
+        heads = getattr(config, "num_attention_heads", None) or 0
+        head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
+        attention = sum(1 for name, _ in self.named_modules() if name.rpartition(".")[2] in ("self_attn", "attn"))
+        return 6.0 * linear + 12.0 * attention * heads * head_dim * seq_len
+
+
+def _is_conv1d(module: nn.Module) -> bool:
+    """transformers' `Conv1D` (GPT-2's linear layers, weights stored transposed)."""
+    return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor)
+
+class _Recorded(Exception):
+    """Raised by the last recorder a pipeline stage needs: the rest of the base model's forward is not run."""
+
+
+class _Recorder(nn.Module):
+    """Stands in for decoder layer `index` while a stage reads what the base model hands its layers."""
+
+    def __init__(self, index: int, calls: dict[int, Any], stop: bool) -> None:
+        super().__init__()
+        self.index, self.calls, self.stop = index, calls, stop
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        self.calls[self.index] = (args, kwargs)
+        if self.stop:
+            raise _Recorded
+        return _hidden_states(args, kwargs)
+
+
+class _LastHidden:
+    """What the last stage's stand-in base model returns: the hidden states, and None for anything else a model's
+    forward reads of its base model's output (an MoE model's router logits)."""
+
+    def __init__(self, hidden: torch.Tensor) -> None:
+        self.last_hidden_state = hidden
+
+    def __getattr__(self, name: str) -> None:  # only for attributes it does not have
+        return None
+
+    def __getitem__(self, index: int) -> Any:
+        return (self.last_hidden_state,)[index]
+
+
+class _Returns(nn.Module):
+    """Stands in for the base model on the last stage: returns the hidden states it was given."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.output
+
+
+def _hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """The hidden states in a recorded decoder-layer call: the first positional argument, or `hidden_states=`."""
+    return args[0] if args else kwargs.get("hidden_states", next(iter(kwargs.values())))
+
+
+def _run_layer(layer: nn.Module, x: torch.Tensor, args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:
+    """Call a decoder layer as the base model did, on hidden states `x` in place of the recorded ones."""
+    if args:
+        out = layer(x, *args[1:], **kwargs)
+    else:
+        key = "hidden_states" if "hidden_states" in kwargs else next(iter(kwargs))
+        out = layer(**{**kwargs, key: x})
+    return out[0] if isinstance(out, tuple) else out

@@ -1,0 +1,291 @@
+"""The Hugging Face family sweep: every causal-LM family the installed transformers registers, made tiny from its
+config class, checked against transformers' own forward on one process (no launches).
+
+`python tests/hf_families.py --write` runs the sweep and writes what it found where the product reads it: the
+families whose pipeline stages equal the model's own forward (`parallelkit/models/hf_families.py`) and the README's
+table. `tests/test_hf_families.py` runs the same sweep and fails when either differs from what it finds.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import re
+import sys
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+FAMILIES_MODULE = REPO / "src" / "parallelkit" / "models" / "hf_families.py"
+README = REPO / "README.md"
+TABLE_START, TABLE_END = "<!-- hf-families:start -->", "<!-- hf-families:end -->"
+
+SIZES = {
+    **dict.fromkeys(("hidden_size", "d_model", "n_embd", "dim", "embed_dim"), 64),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "d_ff", "decoder_ffn_dim", "encoder_ffn_dim"), 128),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "decoder_layers", "encoder_layers", "n_layers"), 2),
+    **dict.fromkeys(("num_attention_heads", "n_head", "n_heads", "decoder_attention_heads"), 4),
+    "encoder_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "vocab_size": 256,
+    **dict.fromkeys(("max_position_embeddings", "n_positions"), 256),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts"), 4),
+    "num_experts_per_tok": 2,
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size"), 32),
+    "sliding_window": 8,  # shorter than the sweep's sequences: windows are exercised
+    "n_shared_experts": 1,
+    "first_k_dense_replace": 1,
+    "kv_lora_rank": 16,
+    "q_lora_rank": 32,
+    "qk_rope_head_dim": 8,
+    "qk_nope_head_dim": 8,
+    "v_head_dim": 16,
+    "n_group": 1,
+    "topk_group": 1,
+}
+"""Size fields made small wherever a config class has them (as an int, or `head_dim`/`sliding_window` as None)."""
+
+MAX_PARAMETERS = 3_000_000
+"""A family whose tiny config still has more parameters has size fields the sweep does not know: not checked."""
+
+SEQ = 16
+TOLERANCE = 1e-6
+
+
+@dataclass
+class Row:
+    family: str
+    exact: str = ""  # "yes" or why the family is not checked / refused
+    tp: str = ""
+    pp: str = ""
+    error: str = ""  # a failure of parallelkit's own (the sweep test fails on it)
+
+
+def tiny_config(model_type: str) -> dict:
+    """The family's config with every size field the sweep knows made small, dropout off, token ids inside the
+    vocabulary and untied embeddings (so pipelines can be checked)."""
+    from transformers import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    params = inspect.signature(cls.__init__).parameters
+    default = cls()
+    fields = default.to_dict()
+    options: dict = {"model_type": model_type}
+    for key, size in SIZES.items():
+        value = getattr(default, key, None)
+        if isinstance(value, int) and not isinstance(value, bool) or (key in params and value is None and key in (
+            "head_dim", "sliding_window"
+        )):
+            options[key] = size
+    for key, value in fields.items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, float):
+            options[key] = 0.0
+        if key.endswith("token_id") and isinstance(value, int) and not 0 <= value < 256:
+            options[key] = 1
+    if "tie_word_embeddings" in fields or "tie_word_embeddings" in params:
+        options["tie_word_embeddings"] = False
+    if "is_decoder" in fields:  # BERT-like families attend both ways unless told they are decoders
+        options["is_decoder"] = True
+    return options
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())[:300] or type(err).__name__
+
+
+def _reference(options: dict):  # noqa: ANN202
+    """transformers' own model for the config (None, reason when it cannot be built small or run)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**options)
+    with torch.device("meta"):
+        meta = transformers.AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in meta.parameters())
+    if count > MAX_PARAMETERS:
+        return None, f"not checked: the sweep's tiny config still has {count / 1e6:.0f}M parameters"
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    tokens = torch.randint(0, 256, (2, SEQ + 1))
+    with torch.no_grad():
+        out = model(input_ids=tokens, labels=tokens)
+    if out.loss is None or not torch.isfinite(out.loss):
+        return None, "not checked: transformers' own forward gives no finite loss on the sweep's tiny config"
+    return (model, tokens, out.loss), ""
+
+
+def check_family(model_type: str) -> Row:
+    """One family: logits and loss against transformers' own forward (same weights), whether its tp plan
+    translates, and whether two pipeline stages, each holding only its layers, compute the model's own logits."""
+    from parallelkit.contract import parallel_plan
+    from parallelkit.errors import ConfigError, PlanError
+    from parallelkit.models import HFCausalLM
+
+    row = Row(model_type)
+    try:
+        options = tiny_config(model_type)
+        reference, reason = _reference(options)
+    except Exception as err:  # noqa: BLE001 - transformers' own failures: the family is not covered
+        row.exact = f"not checked: transformers' own model fails on a tiny config ({type(err).__name__})"
+        return row
+    if reference is None:
+        row.exact = reason
+        return row
+    expected, tokens, expected_loss = reference
+    try:
+        model = HFCausalLM(options).eval()
+        model.model.load_state_dict(expected.state_dict())
+        inputs, targets = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+        with torch.no_grad():
+            logits = model(inputs)
+            loss = model.pipeline_loss(logits, targets)
+            torch.testing.assert_close(logits, expected(input_ids=inputs).logits, rtol=TOLERANCE, atol=TOLERANCE)
+            if not torch.allclose(loss, expected_loss, rtol=TOLERANCE, atol=TOLERANCE):
+                # Some families take labels already shifted (the targets themselves): their loss on (inputs, targets).
+                expected_loss = expected(input_ids=inputs, labels=targets).loss
+            torch.testing.assert_close(loss, expected_loss, rtol=TOLERANCE, atol=TOLERANCE)
+    except (ConfigError, PlanError) as err:
+        row.exact = f"refused: {_one_line(err)}"
+        return row
+    except Exception as err:  # noqa: BLE001 - parallelkit's own failure: the sweep test names it
+        row.error = f"{model_type}: {type(err).__name__}: {_one_line(err)}"
+        return row
+    try:
+        parallel_plan(model)
+    except PlanError as err:  # no decoder layers to shard: refused under every parallel strategy
+        row.exact = f"refused: {_one_line(err)}"
+        return row
+    row.exact = "yes"
+    try:
+        row.tp = _tp(model)
+        row.pp = _pp(model, tokens[:, :-1])
+    except Exception as err:  # noqa: BLE001 - reading the plan must refuse by name, never fail like this
+        row.error = f"{model_type}: reading its plan: {type(err).__name__}: {_one_line(err)}"
+    return row
+
+
+def _tp(model) -> str:  # noqa: ANN001
+    from parallelkit.contract import parallel_plan
+    from parallelkit.errors import PlanError
+    from parallelkit.plan import tensor_parallel_plan
+
+    try:
+        tensor_parallel_plan(model, 2, contract=parallel_plan(model))
+    except PlanError as err:
+        text = str(err)
+        if "declares no tensor-parallel plan" in text:
+            return "no tp plan declared"
+        style = re.search(r"the style '(\w+)'", text)
+        return f"style {style.group(1)} not translated" if style else _one_line(err)
+    return "yes"
+
+
+def _pp(model, tokens: torch.Tensor) -> str:  # noqa: ANN001
+    """"yes" when two stages compute the model's own logits (to 1e-6), else why not."""
+    from dataclasses import replace
+
+    from parallelkit.compat import hf_pp_plan
+    from parallelkit.contract import parallel_plan
+    from parallelkit.errors import PlanError
+    from parallelkit.plan import StageModule, drop_layers, pipeline_layer_names, split_stages
+
+    if not hf_pp_plan(model.model):
+        return "no pipeline plan declared"
+    contract = replace(parallel_plan(model), pipeline_refusal="")  # the refusal is what this check decides
+    try:
+        layers = pipeline_layer_names(model, contract)
+    except PlanError as err:
+        return "parameters outside its pipeline plan" if "outside pipeline_layers" in str(err) else _one_line(err)
+    stages = []
+    for held in split_stages(model, layers, 2):
+        stage = copy.deepcopy(model)
+        drop_layers(stage, [name for name in layers if name not in held])
+        stages.append(StageModule(stage, held, contract=replace(parallel_plan(stage), pipeline_refusal="")))
+    try:
+        with torch.no_grad():
+            torch.testing.assert_close(stages[1](*stages[0](tokens)), model(tokens), rtol=TOLERANCE, atol=TOLERANCE)
+    except AssertionError:
+        return "stages differ from its own forward"
+    except Exception as err:  # noqa: BLE001 - a stage that cannot run as the model does is not pipelined
+        return f"stages fail ({type(err).__name__})"
+    return "yes"
+
+
+def sweep(names: list[str] | None = None) -> list[Row]:
+    warnings.filterwarnings("ignore")
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    return [check_family(name) for name in (names or families())]
+
+
+def render_families_module(rows: list[Row]) -> str:
+    import transformers
+
+    names = ",\n".join(f"    {row.family!r}" for row in rows if row.pp == "yes")
+    return (
+        f'"""Generated by `python tests/hf_families.py --write` (transformers {transformers.__version__}); do not edit.\n\n'
+        "The causal-LM families whose pipeline stages compute the model's own logits in the family sweep\n"
+        '(`tests/test_hf_families.py`): `HFCausalLM` runs pipelines for these and refuses the others."""\n\n'
+        f"GENERATED_WITH = {transformers.__version__!r}\n"
+        '"""The transformers version the sweep ran on (the README\'s table says what it found there)."""\n\n'
+        f"PIPELINE_FAMILIES = (\n{names},\n)\n"
+    )
+
+
+def render_table(rows: list[Row]) -> str:
+    import transformers
+
+    exact = [row for row in rows if row.exact == "yes"]
+    other = [row for row in rows if row.exact != "yes"]
+    lines = [
+        TABLE_START,
+        f"Generated by `python tests/hf_families.py --write` from the family sweep (transformers {transformers.__version__},"
+        f" {len(rows)} causal-LM families; `tests/test_hf_families.py` fails when this differs). **{len(exact)}** give"
+        " transformers' own logits and loss on one process (1e-6, same weights); each trains under fsdp. tp: the"
+        " model's tp plan translates (sequence parallelism with it); pp: two pipeline stages compute the model's own"
+        " logits.",
+        "",
+        "| family | tp | pp |",
+        "|---|---|---|",
+        *(f"| {row.family} | {row.tp} | {row.pp} |" for row in exact),
+        "",
+        "<details><summary>Not covered: " + f"{len(other)} families</summary>",
+        "",
+        "| family | why |",
+        "|---|---|",
+        *(f"| {row.family} | {row.exact.replace('|', '/')} |" for row in other),
+        "",
+        "</details>",
+        TABLE_END,
+    ]
+    return "\n".join(lines)
+
+
+def readme_with(table: str) -> str:
+    text = README.read_text()
+    start, end = text.index(TABLE_START), text.index(TABLE_END) + len(TABLE_END)
+    return text[:start] + table + text[end:]
+
+
+def families() -> list[str]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def main() -> None:
+    names = [a for a in sys.argv[1:] if not a.startswith("--")]
+    rows = sweep(names or None)
+    for row in rows:
+        print(row, flush=True)
+    if "--write" in sys.argv and not names:
+        FAMILIES_MODULE.write_text(render_families_module(rows))
+        README.write_text(readme_with(render_table(rows)))
+
+
+if __name__ == "__main__":
+    main()

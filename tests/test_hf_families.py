@@ -1,0 +1,74 @@
+"""Hugging Face families against the reference: every causal-LM family transformers registers gives transformers'
+own logits and loss on one process or is refused by name (the sweep, `tests/hf_families.py`), and families that do
+more than Llama train on 2 x 2 and in a 1F1B pipeline with one process's per-step losses."""
+
+import json
+
+import hf_families
+import pytest
+import transformers
+from conftest import REPO, assert_ok, assert_same_losses, common, fit, made_once, step_losses
+from models import TINY_LLAMA
+
+from parallelkit.models.hf_families import GENERATED_WITH, PIPELINE_FAMILIES
+
+
+def test_every_family_gives_transformers_own_logits_or_is_refused_and_the_readme_says_which():
+    rows = hf_families.sweep()
+    errors = [row.error for row in rows if row.error]
+    assert not errors, "HFCausalLM differs from transformers' own model:\n" + "\n".join(errors)
+    exact = {row.family for row in rows if row.exact == "yes"}
+    assert {"llama", "qwen3", "gemma3_text", "gemma2", "phi3", "olmo2", "cohere", "granite", "gpt2"} <= exact
+    pipelined = tuple(row.family for row in rows if row.pp == "yes")
+    registered = {row.family for row in rows}
+    failing = [family for family in PIPELINE_FAMILIES if family in registered and family not in pipelined]
+    assert not failing, f"families HFCausalLM pipelines whose stages no longer compute their logits: {failing}"
+    if transformers.__version__ == GENERATED_WITH:  # what the README states is for the version it names
+        regenerate = "the sweep found something else: python tests/hf_families.py --write, and review the diff"
+        assert pipelined == PIPELINE_FAMILIES, regenerate
+        assert hf_families.render_table(rows) in (REPO / "README.md").read_text(), regenerate
+
+
+FAMILIES = {
+    # Sliding windows (8 < seq_len) on every other layer: masks per layer type, built by the base model.
+    "gemma3_text": {
+        "model_type": "gemma3_text",
+        **TINY_LLAMA,
+        "head_dim": 16,
+        "sliding_window": 8,
+        "layer_types": ["sliding_attention", "full_attention"],
+    },
+    # Fused qkv_proj and gate_up_proj (column-wise, gathered), o_proj and down_proj rowwise_split_input.
+    "phi3": {"model_type": "phi3", **TINY_LLAMA, "pad_token_id": 0, "eos_token_id": 0, "bos_token_id": 0},
+    # q/k norms over the whole projection (gathered), o_proj rowwise_split_input.
+    "olmo2": {"model_type": "olmo2", **TINY_LLAMA, "pad_token_id": 0},
+    # logit_scale: the model's own forward scales the head's logits.
+    "cohere": {"model_type": "cohere", **TINY_LLAMA, "logit_scale": 0.0625},
+}
+
+LAYOUTS = {
+    "2x2": ("--trainer.devices=4",),  # configs/hf_llama.yaml: FSDP2 x tp [[2, 2]], sequence parallelism by default
+    "1f1b_pp2": (
+        "--trainer.strategy=parallelkit.PipelineStrategy",
+        "--trainer.strategy.schedule=1f1b",
+        "--trainer.strategy.meta_init=true",
+        '--trainer.strategy.mesh_shape=[[2], ["pp"]]',
+        "--trainer.devices=2",
+        "--data.init_args.batch_size=8",
+    ),
+}
+STEPS = 8
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_family_matches_single_process_losses(tmp_path, tmp_path_factory, corpus, family, layout):
+    model = f"--model.init_args.config={json.dumps(FAMILIES[family])}"
+
+    def one_process(run):
+        one = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")
+        assert_ok(fit("hf_llama.yaml", run, *common(corpus, run / "cache", STEPS), model, *one))
+
+    expected = step_losses(made_once(tmp_path_factory, f"hf-family-{family}", one_process))
+    assert_ok(fit("hf_llama.yaml", tmp_path, *common(corpus, tmp_path / "cache", STEPS), model, *LAYOUTS[layout]))
+    assert_same_losses(expected, step_losses(tmp_path))
