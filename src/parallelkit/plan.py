@@ -164,6 +164,21 @@ def _shard_sequence_style() -> ParallelStyle:
     return _input_hook(sharded)
 
 
+def _colwise_gathered(input_layouts: Any) -> ParallelStyle:
+    """Column-wise, its output gathered whole on every rank and laid out contiguously: a gather on the last dim
+    leaves it strided, and models slice and `view` it (Phi-3's fused qkv_proj and gate_up_proj)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class _ColwiseGathered(ColwiseParallel):
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
+            gathered = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
+            return gathered.contiguous()
+
+    return _ColwiseGathered(input_layouts=input_layouts, output_layouts=Replicate())
+
+
 def _plain_tensor(x: Any) -> bool:
     import torch
     from torch.distributed.tensor import DTensor
@@ -197,7 +212,7 @@ def tp_style(
         case "rowwise_split_input":  # its input is whole on every rank (after a colwise_gather): each takes its part
             return RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
         case "colwise_gather":
-            return ColwiseParallel(input_layouts=source, output_layouts=Replicate())
+            return _colwise_gathered(input_layouts=source)
         case "head_norm":
             # A norm over each head's channels (Qwen3's q_norm/k_norm) after a column-wise projection: its input,
             # (batch, seq, heads, head_dim), holds this rank's heads. Seen as a DTensor sharded on the heads dim,

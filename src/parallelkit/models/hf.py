@@ -257,7 +257,11 @@ class HFCausalLM(CausalLM):
             after = plan[plan.index(layers) + 1 :] if layers in plan else []
             norm = next((name for name in after if name != f"model.{head}"), "")
             self._module_names = {
-                "base": base, "head": f"model.{head}", "embed": f"model.{embed}", "layers": layers, "norm": norm
+                "base": base,
+                "head": f"model.{head}",
+                "embed": f"model.{embed}",
+                "layers": layers,
+                "norm": norm,
             }
         return self._module_names
 
@@ -320,11 +324,13 @@ class HFCausalLM(CausalLM):
         if names["norm"]:
             tp[names["norm"]] = "sequence_parallel"
         # A decoder layer's attention and MLP feed one input to several column-wise projections (q, k, v; gate,
-        # up): gathered once at the module under sequence parallelism, not once per projection.
+        # up): gathered once at the module under sequence parallelism, not once per projection. The module then
+        # sees the whole sequence too, as it must where it shapes its projections' outputs by its input's (Phi-3).
         in_layer = f"{names['layers']}.*."
         for pattern, style in list(tp.items()):
             module = pattern.rpartition(".")[0]
-            if style == "colwise" and module.startswith(in_layer) and "." not in module.removeprefix(in_layer):
+            inside = module.startswith(in_layer) and "." not in module.removeprefix(in_layer)
+            if style in ("colwise", "colwise_gather") and inside:
                 tp.setdefault(module, "gather_input")
         return ParallelPlan(
             tp=tp,
@@ -413,12 +419,12 @@ class HFCausalLM(CausalLM):
         if first:
             (input_ids,) = args
             positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-            calls = self._layer_calls({0, *(i for i, _ in decoders)}, {"input_ids": input_ids}, positions)
+            calls = self._layer_calls({0, *(i for i, _ in decoders)}, {"input_ids": input_ids})
             x = _hidden_states(*calls[0])  # the embedding's output as the base model hands it to layer 0
         else:
             x, positions = args
             whole = (x.shape[0], positions.shape[-1], *x.shape[2:])  # the whole sequence (sequence parallelism)
-            calls = self._layer_calls({i for i, _ in decoders}, {"inputs_embeds": x.new_zeros(whole)}, positions)
+            calls = self._layer_calls({i for i, _ in decoders}, {"inputs_embeds": x.new_zeros(whole)})
         for index, layer in decoders:
             x = _run_layer(layer, x, *calls[index])
         held = {name for name, _ in layers}
@@ -434,7 +440,7 @@ class HFCausalLM(CausalLM):
         return int(rest) if rest != name and rest.isdigit() else None
 
     def _layer_calls(
-        self, wanted: set[int], inputs: dict[str, torch.Tensor], positions: torch.Tensor
+        self, wanted: set[int], inputs: dict[str, torch.Tensor]
     ) -> dict[int, tuple[tuple[Any, ...], dict[str, Any]]]:
         """`{index: (args, kwargs)}`: what the base model's forward hands each decoder layer in `wanted`. It runs
         with its decoder layers replaced by recorders and the modules this stage does not hold, and the final norm,
@@ -444,7 +450,8 @@ class HFCausalLM(CausalLM):
         calls: dict[int, tuple[tuple[Any, ...], dict[str, Any]]] = {}
         last = max(wanted, default=-1)
         count = len(self.model.get_submodule(names["layers"].removeprefix("model.")))
-        swapped: dict[str, nn.Module] = {names["layers"]: nn.ModuleList(_Recorder(i, calls, i == last) for i in range(count))}
+        recorders = nn.ModuleList(_Recorder(i, calls, stop=i == last) for i in range(count))
+        swapped: dict[str, nn.Module] = {names["layers"]: recorders}
         for child, module in base.named_children():
             if module is None or f"{names['base']}.{child}" == names["norm"]:
                 swapped[f"{names['base']}.{child}"] = nn.Identity()
@@ -452,7 +459,7 @@ class HFCausalLM(CausalLM):
         try:
             for name, module in swapped.items():
                 self._put(name, module)
-            base(**inputs, position_ids=positions, use_cache=False)
+            base(**inputs, use_cache=False)  # positions counted by the model itself, as in its own forward
         except _Recorded:
             pass
         finally:
@@ -495,6 +502,7 @@ class HFCausalLM(CausalLM):
 def _is_conv1d(module: nn.Module) -> bool:
     """transformers' `Conv1D` (GPT-2's linear layers, weights stored transposed)."""
     return type(module).__name__ == "Conv1D" and isinstance(getattr(module, "weight", None), torch.Tensor)
+
 
 class _Recorded(Exception):
     """Raised by the last recorder a pipeline stage needs: the rest of the base model's forward is not run."""
