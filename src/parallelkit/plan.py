@@ -170,11 +170,11 @@ def _colwise_gathered(input_layouts: Any) -> ParallelStyle:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    class _ColwiseGathered(ColwiseParallel):
-        @staticmethod
-        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):  # noqa: ANN001, ANN205
-            gathered = ColwiseParallel._prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh)
-            return gathered.contiguous()
+    class _ColwiseGathered(ColwiseParallel):  # still column-wise to LoRA's adapted_style
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            module = super()._apply(module, device_mesh)
+            module.register_forward_hook(lambda _module, _args, output: output.contiguous())
+            return module
 
     return _ColwiseGathered(input_layouts=input_layouts, output_layouts=Replicate())
 
