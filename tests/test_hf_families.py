@@ -10,11 +10,11 @@ import transformers
 from conftest import REPO, assert_ok, assert_same_losses, common, fit, made_once, step_losses
 from models import TINY_LLAMA
 
-from parallelkit.models.hf_families import GENERATED_WITH, PIPELINE_FAMILIES
+from parallelkit.models.hf_families import GENERATED_WITH, PIPELINE_FAMILIES, TP_FAMILIES
 
 
-def test_every_family_gives_transformers_own_logits_or_is_refused_and_the_readme_says_which():
-    rows = hf_families.sweep()
+def test_every_family_gives_transformers_own_logits_or_is_refused_and_the_readme_says_which(tmp_path):
+    rows = hf_families.with_tp_checked(hf_families.sweep(), tmp_path / "tp.json")  # one launch of 2 processes
     errors = [row.error for row in rows if row.error]
     assert not errors, "HFCausalLM differs from transformers' own model:\n" + "\n".join(errors)
     exact = {row.family for row in rows if row.exact == "yes"}
@@ -23,9 +23,13 @@ def test_every_family_gives_transformers_own_logits_or_is_refused_and_the_readme
     registered = {row.family for row in rows}
     failing = [family for family in PIPELINE_FAMILIES if family in registered and family not in pipelined]
     assert not failing, f"families HFCausalLM pipelines whose stages no longer compute their logits: {failing}"
+    split = tuple(row.family for row in rows if row.tp == "yes")
+    failing = [family for family in TP_FAMILIES if family in registered and family not in split]
+    assert not failing, f"families HFCausalLM splits tp whose two processes no longer give one's: {failing}"
     if transformers.__version__ == GENERATED_WITH:  # what the README states is for the version it names
         regenerate = "the sweep found something else: python tests/hf_families.py --write, and review the diff"
         assert pipelined == PIPELINE_FAMILIES, regenerate
+        assert split == TP_FAMILIES, regenerate
         assert hf_families.render_table(rows) in (REPO / "README.md").read_text(), regenerate
 
 

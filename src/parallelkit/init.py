@@ -33,18 +33,29 @@ RANDOM_METHODS = frozenset(
 """In-place tensor methods that draw from a generator: applied to a shard, they must draw the whole tensor."""
 
 
+CONSTRUCTED_UP_TO = 4096
+"""`meta_parameters(constructed=...)` keeps the values of parameters up to this many elements."""
+
+
 @contextmanager
-def meta_parameters() -> Generator[None, None, None]:
+def meta_parameters(
+    constructed: dict[tuple[nn.Module, str], torch.Tensor] | None = None,
+) -> Generator[None, None, None]:
     """Inside, every parameter a module registers moves to the meta device; buffers and other tensors stay real.
 
     Unlike `torch.device("meta")`, buffers computed in `__init__` (rotary tables, masks) and torchmetrics states,
-    which `to_empty()` cannot restore, keep their values. A parameter's eager tensor is allocated but never
-    written before it moves (modules initialise after registering), so it costs no memory.
+    which `to_empty()` cannot restore, keep their values. A parameter's eager tensor is allocated but rarely
+    written before it moves (modules initialise after registering), so it costs no memory. Some modules do set a
+    small parameter's value in their constructor (a learnable activation's scalars): `constructed`, when given,
+    receives `{(module, name): value}` for every parameter of up to `CONSTRUCTED_UP_TO` elements, for an
+    initialisation that leaves such parameters alone.
     """
     register = nn.Module.register_parameter
 
     def register_on_meta(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
         if param is not None and not param.is_meta:
+            if constructed is not None and param.numel() <= CONSTRUCTED_UP_TO:
+                constructed[(module, name)] = param.detach().clone()
             param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
         register(module, name, param)
 
@@ -158,7 +169,7 @@ class _WholeTensorInit(TorchFunctionMode):
         initialiser = name in RANDOM_METHODS or getattr(func, "__module__", None) == "torch.nn.init"
         target = kwargs.get("tensor", args[0] if args else None)
         if name == "copy_" and _whole_source(target, args):
-            return _set_whole(target, args[1])
+            return set_whole(target, args[1])
         if not initialiser or not isinstance(target, torch.Tensor) or not _drawn_whole(target):
             return func(*args, **kwargs)
         whole = torch.empty(target.shape, dtype=target.dtype)
@@ -166,7 +177,7 @@ class _WholeTensorInit(TorchFunctionMode):
             func(*args, **{**kwargs, "tensor": whole})
         else:
             func(whole, *args[1:], **kwargs)
-        return _set_whole(target, whole)
+        return set_whole(target, whole)
 
 
 def _drawn_whole(tensor: torch.Tensor) -> bool:
@@ -188,7 +199,7 @@ def _whole_source(target: Any, args: tuple) -> bool:
     )
 
 
-def _set_whole(target: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+def set_whole(target: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
     """Write this rank's part of `whole` (a plain tensor of `target`'s global shape) into `target`."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 

@@ -23,9 +23,9 @@ from typing_extensions import override
 from parallelkit.compat import hf_initialize, hf_pp_plan, hf_supports_sdpa, hf_tp_plan
 from parallelkit.contract import ParallelPlan
 from parallelkit.errors import ConfigError, PlanError
-from parallelkit.init import building_on_meta, materialize, meta_parameters
+from parallelkit.init import building_on_meta, materialize, meta_parameters, set_whole
 from parallelkit.lora import LoRA, add_adapters, as_lora, config_dict, is_adapter, reset_adapters
-from parallelkit.models.hf_families import PIPELINE_FAMILIES
+from parallelkit.models.hf_families import PIPELINE_FAMILIES, TP_FAMILIES
 from parallelkit.models.hf_io import SafetensorsWeights, load_weights
 from parallelkit.models.lm import CausalLM
 
@@ -183,7 +183,8 @@ class HFCausalLM(CausalLM):
         eager = not building_on_meta()
         # Always built without storage, then (unless a strategy will) allocated and initialised exactly as
         # meta_init does after sharding: so the eager build and a meta_init run hold the same weights.
-        with meta_parameters():
+        self._constructed: dict[tuple[nn.Module, str], torch.Tensor] = {}
+        with meta_parameters(constructed=self._constructed):
             try:
                 self.model = transformers.AutoModelForCausalLM.from_config(
                     hf_config, attn_implementation=attn_implementation
@@ -231,8 +232,31 @@ class HFCausalLM(CausalLM):
         if self.pretrained_weights is not None:
             load_weights(self.model, self.pretrained_weights, skip=is_adapter)
         else:
+            for name, param in self.model.named_parameters():  # marks what transformers' initialisation leaves
+                if not param.is_meta and not is_adapter(name):  # (the adapters are reset below)
+                    param.fill_(float("nan"))
             hf_initialize(self.model)
+            self._keep_constructed_values()
         reset_adapters(self)  # after transformers' initialisation, which knows nothing of them
+
+    def _keep_constructed_values(self) -> None:
+        """Parameters transformers' `_init_weights` does not set (a learnable activation's scalars, which its
+        constructor sets): the values the constructor gave them, as in transformers' own eager build."""
+        from torch.distributed.tensor import DTensor
+
+        for module in self.model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                local = param.to_local() if isinstance(param, DTensor) else param
+                if param.is_meta or is_adapter(name) or not local.isnan().any():
+                    continue
+                value = self._constructed.get((module, name))
+                if value is None:
+                    raise ConfigError(
+                        f"{self.config.model_type}: transformers' initialisation leaves {type(module).__name__}.{name} "
+                        f"({tuple(param.shape)}) unset and its constructor's value was not kept, so parallelkit "
+                        "cannot initialise it from the seed. Fix: start from pretrained weights (model.pretrained)."
+                    )
+                set_whole(param, value.to(local.device, local.dtype))
 
     @override
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -310,6 +334,12 @@ class HFCausalLM(CausalLM):
                 f"its tensor-parallel plan gives {pattern} the style {style!r}, which parallelkit does not translate; "
                 f"it translates {', '.join(HF_STYLES)}. Fix: train it without a tp axis (e.g. mesh_shape [[-1], "
                 '["fsdp"]]), or give it a plan (subclass HFCausalLM and override parallel_plan()).'
+            )
+        if not refusal and config.model_type not in TP_FAMILIES:
+            refusal = (
+                f"split tp=2 on two processes, {config.model_type} does not compute one process's loss and gradients "
+                "(or could not be checked) in parallelkit's family sweep, tests/test_hf_families.py, so parallelkit "
+                'does not split it. Fix: train it without a tp axis (e.g. mesh_shape [[-1], ["fsdp"]]).'
             )
         # The embedding's output stays whole: the base model builds attention masks (sliding windows, per-layer
         # types) and position embeddings from it, as on one process. Under sequence parallelism the residual stream
