@@ -378,8 +378,10 @@ class HFCausalLM(CausalLM):
 
     def _pipeline_layers(self) -> list[str]:
         layers = []
+        if self._missing_pipeline_module() is not None:
+            return layers  # refused (_pipeline_refusal names the module)
         for name in hf_pp_plan(self.model):
-            module = self.model.get_submodule(name) if self._missing_pipeline_module() is None else None
+            module = self.model.get_submodule(name)
             layers.append(f"model.{name}.*" if isinstance(module, nn.ModuleList) else f"model.{name}")
         return layers
 
