@@ -218,3 +218,10 @@ def test_plan_fits_a_llama_3_8b_config_on_8_devices_and_counts_its_parameters(tm
     assert prof.params == model.model.num_parameters() == 8_030_261_248
     _, best, _ = plan(model, Workload(seq_len=8192, micro_batch=1, compute_bytes=2), Hardware(1, 8, 80e9))
     assert best is not None and best.mesh == report["recommended"]["mesh"]
+
+
+def test_a_family_whose_tp_split_differs_from_one_process_is_refused_by_name():
+    apertus = {"model_type": "apertus", **TINY_LLAMA}  # its activation's learnable scalars lie outside the tp plan
+    model = build(apertus, on_meta=True)
+    with pytest.raises(PlanError, match=r"split tp=2 on two processes, apertus does not compute one process's loss"):
+        tensor_parallel_plan(model, 2, contract=parallel_plan(model))
