@@ -245,6 +245,16 @@ class LightningModelParallelModule(WrappedNetwork):
         fully_shard(self.model, mesh=dp)
 
 
+class RedrawnOnTrainStart(LightningModelParallelModule):
+    """As Lightning's tensor-parallel example does: the weights are drawn again in `on_train_start`, after
+    `configure_model` split them (here on DTensors sharded over tp and fsdp)."""
+
+    def on_train_start(self) -> None:
+        for module in self.model.modules():
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.trunc_normal_(module.weight, std=0.02)
+
+
 class Gain(nn.Module):
     """A parameter set in __init__ only: no reset_parameters() to replay after a meta-device build."""
 

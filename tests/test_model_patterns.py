@@ -62,3 +62,15 @@ def test_module_written_for_lightning_model_parallel_trains_the_same_under_fsdp_
     expected, losses = step_losses(tmp_path / "lightning"), step_losses(tmp_path / "parallelkit")
     assert_same_losses(expected, losses)
     assert losses[STEPS - 1] < losses[0]
+
+
+def test_weights_drawn_again_in_on_train_start_are_one_processs_on_2x2(tmp_path, corpus):
+    """Lightning's tensor-parallel example re-draws its weights in `on_train_start`, on split parameters: each rank
+    draws the whole tensor from the same generator and keeps its part (not its part from its own generator, which on
+    the CPU gives every shard the same values), so the run equals the same script on one process. meta_init in both:
+    the example builds under `init_module(empty_init=True)`."""
+    model = ["--model=models.RedrawnOnTrainStart", *common(corpus, tmp_path / "cache", STEPS)]
+    one = ('--trainer.strategy.mesh_shape=[[1, 1], ["fsdp", "tp"]]', "--trainer.devices=1")
+    assert_ok(fit("hybrid.yaml", tmp_path / "one", *model, *one, "--data.init_args.batch_size=8"))
+    assert_ok(fit("hybrid.yaml", tmp_path / "2x2", *model))
+    assert_same_losses(step_losses(tmp_path / "one"), step_losses(tmp_path / "2x2"))

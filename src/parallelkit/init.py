@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable, Mapping
 from contextlib import contextmanager
+from types import MethodType
 from typing import Any
 
 import torch
@@ -169,15 +170,40 @@ class _WholeTensorInit(TorchFunctionMode):
         initialiser = name in RANDOM_METHODS or getattr(func, "__module__", None) == "torch.nn.init"
         target = kwargs.get("tensor", args[0] if args else None)
         if name == "copy_" and _whole_source(target, args):
-            return set_whole(target, args[1])
+            with torch.no_grad():
+                return set_whole(target, args[1])
         if not initialiser or not isinstance(target, torch.Tensor) or not _drawn_whole(target):
             return func(*args, **kwargs)
         whole = torch.empty(target.shape, dtype=target.dtype)
-        if "tensor" in kwargs:
-            func(*args, **{**kwargs, "tensor": whole})
-        else:
-            func(whole, *args[1:], **kwargs)
-        return set_whole(target, whole)
+        with torch.no_grad():  # an initialiser writes parameters as torch.nn.init does: outside autograd
+            if "tensor" in kwargs:
+                func(*args, **{**kwargs, "tensor": whole})
+            else:
+                func(whole, *args[1:], **kwargs)
+            return set_whole(target, whole)
+
+
+REDRAWING_HOOKS = ("on_fit_start", "on_train_start")
+"""LightningModule hooks in which models draw their weights again once they are split (Lightning's
+tensor-parallel example calls its `init_weights()` in `on_train_start`)."""
+
+
+def draw_whole_in_hooks(module: nn.Module) -> None:
+    """Make random initialisers in `module`'s `REDRAWING_HOOKS` draw each split tensor whole from the generator and
+    keep this rank's part, as `materialize` does: the weights then equal one process's. (On the CPU, torch draws a
+    DTensor's shard from each rank's own generator: every shard would hold the same values.)"""
+    for hook in REDRAWING_HOOKS:
+        if hook in vars(module):  # already wrapped (a second fit with the same module)
+            continue
+        setattr(module, hook, MethodType(_drawing_whole(hook), module))
+
+
+def _drawing_whole(hook: str) -> Callable[..., Any]:
+    def run(self: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        with _WholeTensorInit():
+            return getattr(type(self), hook)(self, *args, **kwargs)
+
+    return run
 
 
 def _drawn_whole(tensor: torch.Tensor) -> bool:

@@ -51,7 +51,7 @@ from parallelkit.compat import (
 from parallelkit.contract import parallel_plan, shards_the_sequence
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.grad_norm import clip_grad_norm_
-from parallelkit.init import has_meta_tensors, materialize, meta_parameters
+from parallelkit.init import draw_whole_in_hooks, has_meta_tensors, materialize, meta_parameters
 from parallelkit.lora import has_adapters, trainable_names
 from parallelkit.mesh import AXES, MeshSpec
 from parallelkit.optim import compile_step
@@ -413,6 +413,7 @@ class ParallelkitStrategy(ModelParallelStrategy):
         quiet_root_view_warning(self.model)
         if has_meta_tensors(self.model):
             materialize(self.model, torch.device("cpu") if self.cpu_offload else self.root_device, built)
+        draw_whole_in_hooks(self.lightning_module)
         # The rest as any Lightning strategy does it (precision, device, optimizers). Not ModelParallelStrategy's
         # setup: it insists on a configure_model() and materialises meta tensors its own way.
         Strategy.setup(self, trainer)
