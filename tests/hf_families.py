@@ -216,7 +216,10 @@ def _pp(model, tokens: torch.Tensor) -> str:  # noqa: ANN001
 
     if not hf_pp_plan(model.model):
         return "no pipeline plan declared"
-    contract = replace(parallel_plan(model), pipeline_refusal="")  # the refusal is what this check decides
+    refusal = parallel_plan(model).pipeline_refusal
+    if refusal and "family sweep" not in refusal:  # refused for what the model declares, before any check
+        return "its pipeline plan names a module it lacks" if "does not have" in refusal else refusal
+    contract = replace(parallel_plan(model), pipeline_refusal="")  # the allowlist is what this check decides
     try:
         layers = pipeline_layer_names(model, contract)
     except PlanError as err:
