@@ -52,6 +52,11 @@ FAMILIES = {
 
 LAYOUTS = {
     "2x2": ("--trainer.devices=4",),  # configs/hf_llama.yaml: FSDP2 x tp [[2, 2]], sequence parallelism by default
+    "tp2": (
+        '--trainer.strategy.mesh_shape=[[1, 2], ["fsdp", "tp"]]',
+        "--trainer.devices=2",
+        "--data.init_args.batch_size=8",
+    ),
     "1f1b_pp2": (
         "--trainer.strategy=parallelkit.PipelineStrategy",
         "--trainer.strategy.schedule=1f1b",
@@ -68,6 +73,7 @@ FAMILIES["gemma3_text_tied"] = {**FAMILIES["gemma3_text"], "tie_word_embeddings"
 RUNS = [
     *((family, "2x2") for family in FAMILIES if family != "gemma3_text"),  # Gemma 3 tied, as it ships
     *((family, "1f1b_pp2") for family in FAMILIES if family != "gemma3_text_tied"),  # stages cannot share a tensor
+    ("phi3", "tp2"),  # tp alone on a fused gate_up_proj
 ]
 
 
