@@ -208,7 +208,7 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         lambda tmp: parallelkit("fit", "--config", bad_yaml(tmp), cwd=tmp, timeout=120),
         ["run.yaml is not valid YAML at line 4, column 6", "expected ',' or ']'", "Fix the YAML there"],
     ),
-    # DESIGN.md's mesh errors, through `fit` (test_cli.py checks them through `parallelkit env`).
+    # Mesh errors, through `fit` (test_cli.py checks them through `parallelkit env`).
     "sequence parallelism asked of a plan with no sequence to shard": (
         fit_config("hybrid.yaml", "--model=models.TokenBagClassifier", "--trainer.strategy.sequence_parallel=true"),
         ["sequence_parallel=True, but TokenBagClassifier's tp_plan shards nothing on the sequence dim", "Fix:"],

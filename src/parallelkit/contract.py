@@ -5,9 +5,9 @@ names a model class or a model's attributes. A model provides its plan in one of
 
 - a `parallel_plan()` method returning a `ParallelPlan` (`parallelkit.models.HFCausalLM` reads a Hugging Face
   model's own plans this way);
-- the class attributes of DESIGN.md's model contract (`tp_plan`, `fsdp_units`, `pipeline_layers`, and the
-  methods `pipeline_loss(output, target)` and `flops_per_token(seq_len)`), which `ParallelPlan.from_attributes`
-  reads. The reference GPT and most user models do this.
+- the class attributes of the model contract (the README's "The model contract": `tp_plan`, `fsdp_units`,
+  `pipeline_layers`, and the methods `pipeline_loss(output, target)` and `flops_per_token(seq_len)`), which
+  `ParallelPlan.from_attributes` reads. The reference GPT and most user models do this.
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ class ParallelPlan:
 
     @classmethod
     def from_attributes(cls, model: nn.Module) -> ParallelPlan:
-        """The plan a model declares through DESIGN.md's class attributes and methods."""
+        """The plan a model declares through the model contract's class attributes and methods (README)."""
         loss = getattr(model, "pipeline_loss", None)
         flops = getattr(model, "flops_per_token", None)
         return cls(

@@ -108,7 +108,7 @@ class GPT(CausalLM):
             layers, every other parameter frozen. None: the whole model trains.
     """
 
-    # The parallel contract (DESIGN.md): globs over module names -> how each is split.
+    # The parallel contract (README, "The model contract"): globs over module names -> how each is split.
     tp_plan = {
         "tok_emb": "vocab_embedding",
         "blocks.*.attn_norm": "sequence_parallel",

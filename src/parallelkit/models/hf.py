@@ -500,24 +500,26 @@ class HFCausalLM(CausalLM):
         return calls
 
     def _holds(self, name: str) -> bool:
+        """Whether module `name` is here (a pipeline split empties the slots of layers other stages hold)."""
         parent, _, leaf = name.rpartition(".")
         return getattr(self.get_submodule(parent), leaf, None) is not None
 
     def _put(self, name: str, module: nn.Module | None) -> None:
+        """Put `module` (or None) in the slot `name`, for the stand-ins a stage runs the model's own forward with."""
         parent, _, leaf = name.rpartition(".")
         self.get_submodule(parent).register_module(leaf, module)
 
     def _logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """The head's logits from the last hidden states, through the model's own forward (its base model replaced
         by one that returns them), so a family's post-processing is transformers' own."""
-        prefix = self._names()["base"].removeprefix("model.")
-        base = getattr(self.model, prefix)
-        self.model.register_module(prefix, _Returns(_LastHidden(hidden)))
+        name = self._names()["base"]
+        base = self.get_submodule(name)
+        self._put(name, _Returns(_LastHidden(hidden)))
         try:
             ids = torch.zeros(hidden.shape[:2], dtype=torch.long, device=hidden.device)
             return self.model(input_ids=ids, use_cache=False).logits
         finally:
-            self.model.register_module(prefix, base)
+            self._put(name, base)
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token of the layers this module holds: 6 per weight of every
