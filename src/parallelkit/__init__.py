@@ -24,7 +24,7 @@ from parallelkit.errors import (
     PluginWarning,
 )
 from parallelkit.mesh import MeshSpec, data_parallel_mesh
-from parallelkit.plan import parallelize
+from parallelkit.parallel import ResolvedPlan, parallelize, resolve
 from parallelkit.plugins import PLUGIN_API, StrategyPreset
 from parallelkit.strategies import DDPStrategy, FSDPTPStrategy, HSDPStrategy, ParallelkitStrategy, PipelineStrategy
 
@@ -52,6 +52,8 @@ __all__ = [
     "consolidate",
     "data_parallel_mesh",
     "parallelize",
+    "resolve",
+    "ResolvedPlan",
     "publish",
     "resolve_comm_hook",
     "staging_path",

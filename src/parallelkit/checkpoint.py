@@ -23,7 +23,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from typing_extensions import override
 
-from parallelkit.compat import dcp_metadata_global
+from parallelkit.compat import dcp_metadata_global, model_class_name
 from parallelkit.errors import ConfigError, ParallelkitError
 from parallelkit.lora import is_adapter
 
@@ -214,13 +214,6 @@ def check_readable(path: Path, field: str = "ckpt_path") -> None:
             "checkpoint Lightning or parallelkit wrote (tensors and plain containers); if you trust this file's "
             "origin, load it yourself with torch.load(weights_only=False) and save its tensors again."
         )
-
-
-def model_class_name(model: nn.Module) -> str:
-    """The model's own class name (fully_shard swaps in a generated `FSDP<Name>` subclass)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def check_compatible(

@@ -333,3 +333,10 @@ def quiet_root_view_warning(root: Module) -> None:
         message=rf"FSDP2-wrapped module \({re.escape(type(root).__name__)}\) returned a view tensor",
         module=r"torch\.distributed\.fsdp",
     )
+
+
+def model_class_name(model: Module) -> str:
+    """The model's own class name (fully_shard swaps in a generated `FSDP<Name>` subclass)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__

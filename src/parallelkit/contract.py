@@ -8,15 +8,64 @@ names a model class or a model's attributes. A model provides its plan in one of
 - the class attributes of the model contract (the README's "The model contract": `tp_plan`, `fsdp_units`,
   `pipeline_layers`, and the methods `pipeline_loss(output, target)` and `flops_per_token(seq_len)`), which
   `ParallelPlan.from_attributes` reads. The reference GPT and most user models do this.
+
+This module is a leaf: it imports nothing of parallelkit's, so a model, LoRA and the parallel code can all read it.
+Turning a plan into module names for one model and layout is `parallelkit.parallel.resolve`'s job
+(docs/architecture.md).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from fnmatch import fnmatchcase
 from typing import Any
 
 from torch import nn
+
+STYLES = (
+    "gather_input",
+    "colwise",
+    "rowwise",
+    "rowwise_split_input",
+    "colwise_gather",
+    "sequence_parallel",
+    "shard_sequence",
+    "vocab_embedding",
+    "vocab_embedding_whole",
+    "vocab_head",
+    "head_norm",
+    "replicate",
+)
+"""Style names a `tp_plan` may use; what each becomes depends on sequence/loss parallelism
+(`parallelkit.parallel.tensor_parallel.tp_style`)."""
+
+SHARDING_STYLES = (
+    "colwise",
+    "rowwise",
+    "rowwise_split_input",
+    "colwise_gather",
+    "vocab_embedding",
+    "vocab_embedding_whole",
+    "vocab_head",
+)
+"""Styles that split a module's weights over the tp group (each rank holds 1 / tp of them)."""
+
+GATHERING_STYLES = ("gather_input", "colwise", "colwise_gather", "vocab_head")
+"""Styles whose input sequence parallelism all-gathers (and autograd then keeps whole); the other sharding styles
+reduce-scatter (or all-reduce) their output. A column-wise layer inside a `gather_input` module takes the input
+that module gathered: one all-gather serves them all."""
+
+TP_STYLE_HOOK = "adapt_tp_style"
+"""A module with a method of this name, `adapt_tp_style(style) -> style`, changes the torch `ParallelStyle` the plan
+gives it (a `LoRALinear` splits its adapters as its layer): the parallel code calls it and knows no module class."""
+
+
+def matches(pattern: str, fqn: str) -> bool:
+    """True when `fqn` matches `pattern` segment by segment (`*`, and any fnmatch pattern, never crosses a dot)."""
+    parts, names = pattern.split("."), fqn.split(".")
+    return len(parts) == len(names) and all(fnmatchcase(n, p) for p, n in zip(parts, names))
+
 
 HEAD_COUNT_ATTRS = ("n_head", "num_heads")
 """Attributes by which a module written to the attribute contract states its head count (tp must divide it)."""
@@ -30,12 +79,12 @@ def split_pair(batch: Any) -> tuple[Any, Any]:
     return (batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 1 else batch), None
 
 
-@dataclass
+@dataclass(frozen=True)
 class ParallelPlan:
     """How a model is split. Module names are FQNs relative to the LightningModule, with `*` for one path segment.
 
     Attributes:
-        tp: Module glob -> tensor-parallel style: a name from `parallelkit.plan.STYLES` or a torch `ParallelStyle`.
+        tp: Module glob -> tensor-parallel style: a name from `STYLES` or a torch `ParallelStyle`.
         fsdp_units: Module globs sharded as their own FSDP groups. None: each child of the largest `nn.ModuleList`.
         pipeline_layers: Module globs in execution order; a pipeline stage runs a contiguous run of them.
         pipeline_refusal: Why this model cannot be pipelined, as the error a pipeline strategy raises (empty: it can).
@@ -85,19 +134,18 @@ class ParallelPlan:
         )
 
 
-def parallel_plan(model: nn.Module) -> ParallelPlan:
-    """`model`'s plan: from its `parallel_plan()` method if it has one, else from its class attributes."""
+def declared_plan(model: nn.Module) -> ParallelPlan:
+    """What `model` declares: its `parallel_plan()` method's plan if it has one, else its class attributes'.
+
+    Read once per layout, by `parallelkit.parallel.resolve` (and by `add_adapters` at build time, for the output
+    layer `all-linear` leaves out); everything else reads the resolved plan."""
     provider = getattr(model, "parallel_plan", None)
     plan = provider() if callable(provider) else ParallelPlan.from_attributes(model)
-    if not plan.description:
-        plan.description = type(model).__name__
-    return plan
+    return plan if plan.description else replace(plan, description=type(model).__name__)
 
 
 def _declared_head_counts(model: nn.Module, tp: Mapping[str, Any]) -> dict[str, int]:
     """Head counts stated as `n_head`/`num_heads` by modules that the tp plan splits inside."""
-    from parallelkit.plan import matches
-
     split_modules = [fqn for fqn, _ in model.named_modules() if any(matches(p, fqn) for p in tp)]
     counts = {}
     for fqn, module in model.named_modules():

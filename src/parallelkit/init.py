@@ -24,8 +24,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from parallelkit.checkpoint import model_class_name
-from parallelkit.compat import apply_to_tensors
+from parallelkit.compat import apply_to_tensors, model_class_name
 from parallelkit.errors import ConfigError
 
 RANDOM_METHODS = frozenset(

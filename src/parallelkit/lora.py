@@ -6,9 +6,10 @@ and `lora_B` (out x rank), whose product, scaled by alpha / rank, is added to th
 parameter of the model is frozen. Because the module keeps its name and stays an `nn.Linear`, the model's parallel
 plan (tensor-parallel styles, FSDP units, pipeline layers) applies unchanged:
 
-- under tensor parallelism the adapters follow their layer's split (`adapted_style`): for a column-wise layer A is
-  whole and B column-wise, for a row-wise layer A row-wise and B whole, so the adapter adds no collective in
-  forward (its partial sums join the layer's own reduction);
+- under tensor parallelism the adapters follow their layer's split (`adapted_style`, which the layer hands the
+  parallel code through its `adapt_tp_style`): for a column-wise layer A is whole and B column-wise, for a row-wise
+  layer A row-wise and B whole, so the adapter adds no collective in forward (its partial sums join the layer's own
+  reduction);
 - under FSDP2 the adapters share their block's unit with the frozen weights; only they get gradients, so only
   they are reduce-scattered and only they have optimizer state;
 - checkpoints of a parallelkit strategy hold the trainable parameters only (the base weights come from where they
@@ -34,6 +35,7 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
+from parallelkit.contract import declared_plan, matches
 from parallelkit.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -133,6 +135,10 @@ class LoRALinear(nn.Linear):
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, rank={self.rank}, scaling={self.scaling:g}"
 
+    def adapt_tp_style(self, style: ParallelStyle) -> ParallelStyle:
+        """The tensor-parallel style of this layer, adapters included (`parallelkit.contract.TP_STYLE_HOOK`)."""
+        return adapted_style(style)
+
 
 def _adapt(module: nn.Linear, lora: LoRA, seed: int) -> LoRALinear:
     """Turn `module` into a LoRALinear in place: the same object, so its name, weight and hooks stay."""
@@ -148,19 +154,14 @@ def _adapt(module: nn.Linear, lora: LoRA, seed: int) -> LoRALinear:
 
 def matches_suffix(pattern: str, name: str) -> bool:
     """True when `pattern`'s segments match the last segments of the module name `name` (`*` = one segment)."""
-    from parallelkit.plan import matches
-
     parts = pattern.split(".")
     names = name.split(".")
     return len(names) >= len(parts) and matches(pattern, ".".join(names[len(names) - len(parts) :]))
 
 
 def output_layers(model: nn.Module) -> set[str]:
-    """Names of the modules the model's parallel plan calls its output layer (style `vocab_head`)."""
-    from parallelkit.contract import parallel_plan
-    from parallelkit.plan import matches
-
-    heads = [pattern for pattern, style in parallel_plan(model).tp.items() if style == "vocab_head"]
+    """Names of the modules the model's declared plan calls its output layer (style `vocab_head`)."""
+    heads = [pattern for pattern, style in declared_plan(model).tp.items() if style == "vocab_head"]
     return {name for name, _ in model.named_modules() if any(matches(p, name) for p in heads)}
 
 

@@ -35,9 +35,12 @@ import torch
 from torch import nn
 
 from parallelkit.compat import flash_attention_on_cpu
+from parallelkit.contract import GATHERING_STYLES, SHARDING_STYLES
 from parallelkit.errors import PlanError
 from parallelkit.lora import WHOLE_UNDER, LoRALinear
 from parallelkit.mesh import MeshSpec
+from parallelkit.parallel.pipeline import split_stages
+from parallelkit.parallel.resolve import expand_tp, gathered_inside, resolve
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """fp32 states per parameter that each optimizer keeps."""
@@ -169,33 +172,22 @@ def profile(
 ) -> ModelProfile:
     """Count `model` (on the meta device) per pipeline layer, running one meta forward of one sample."""
     from parallelkit.callbacks.activations import _SavedTensorLedger
-    from parallelkit.contract import parallel_plan
-    from parallelkit.plan import (
-        GATHERING_STYLES,
-        SHARDING_STYLES,
-        fsdp_units,
-        gathered_inside,
-        pipeline_layer_names,
-        select,
-        tensor_parallel_plan,
-    )
 
-    contract = parallel_plan(model)
-    try:
-        names = pipeline_layer_names(model, contract) if contract.pipeline_layers else []
-    except PlanError:  # not pipelinable (e.g. tied embeddings): one layer, so no pipeline layout is a candidate
-        names = []
-    units = {fqn for fqn, _ in fsdp_units(model, contract)}
+    resolved = resolve(model)
+    contract = resolved.plan
+    names = list(resolved.pipeline_layers)  # none when not pipelinable (e.g. tied embeddings): no pipeline layout
+    units = set(resolved.fsdp_units)
     sharded: set[int] = set()
     tp_modules: list[tuple[nn.Module, str]] = []
-    gathering = gathered_inside(model, contract)
-    for pattern, style in contract.tp.items():
-        for fqn, module in select(model, [pattern], "tp_plan"):
-            if style in SHARDING_STYLES:
-                whole = WHOLE_UNDER.get(style) if isinstance(module, LoRALinear) else None
-                sharded.update(id(p) for name, p in module.named_parameters() if name != whole)
-            if (style in SHARDING_STYLES or style in GATHERING_STYLES) and fqn not in gathering:
-                tp_modules.append((module, style))
+    styles = expand_tp(model, contract) if contract.tp else {}
+    gathering = gathered_inside(styles)
+    for fqn, style in styles.items():
+        module = model.get_submodule(fqn)
+        if style in SHARDING_STYLES:
+            whole = WHOLE_UNDER.get(style) if isinstance(module, LoRALinear) else None
+            sharded.update(id(p) for name, p in module.named_parameters() if name != whole)
+        if (style in SHARDING_STYLES or style in GATHERING_STYLES) and fqn not in gathering:
+            tp_modules.append((module, style))
 
     ledger = _SavedTensorLedger()
     marks: dict[str, list[float]] = {}
@@ -268,7 +260,7 @@ def profile(
     for tp in tp_degrees:
         try:
             if tp > 1:
-                tensor_parallel_plan(model, tp, contract=contract)
+                resolve(model, tp=tp, plan=contract)
             valid[tp] = ""
         except PlanError as err:
             valid[tp] = str(err)
@@ -417,8 +409,6 @@ def plan(
     model: nn.Module, work: Workload, hw: Hardware, pipeline: bool = True
 ) -> tuple[list[Estimate], Estimate | None, str]:
     """Every candidate's estimate (cheapest first), the recommendation, and the one-line reason."""
-    from parallelkit.plan import split_stages
-
     prof = profile(model, work.seq_len, _divisors(hw.devices_per_node))
     estimates = []
     by_name = {layer.name: layer for layer in prof.layers}

@@ -17,8 +17,8 @@ from typing_extensions import override
 
 from parallelkit.callbacks.activations import SavedTensorWindow
 from parallelkit.compat import should_accumulate, throughputs
-from parallelkit.contract import parallel_plan
 from parallelkit.mesh import data_parallel_size
+from parallelkit.parallel.resolve import resolve
 
 
 def _samples(batch: Any) -> int:
@@ -63,7 +63,9 @@ class ThroughputMonitor(LightningThroughputMonitor):
                 world_size=data_parallel_size(trainer.strategy),
                 **self.kwargs,
             )
-        self._plan = parallel_plan(pl_module)
+        # The plan the strategy resolved; a strategy that resolves none (Lightning's own, DDP) leaves it to this one.
+        resolved = getattr(trainer.strategy, "resolved", None) or resolve(pl_module)
+        self._plan = resolved.plan
         self._flops_per_token: dict[int, float] = {}
         split = self._plan.split_batch  # the model's batch convention: its inputs are what is counted
         if self.batch_size_fn is _samples:

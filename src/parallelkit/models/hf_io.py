@@ -363,7 +363,7 @@ def _write_model(
     """The merged model's weights, `config.json` and tokenizer files, written into `staging`."""
     from transformers import AutoModelForCausalLM
 
-    from parallelkit.models.hf import build_config
+    from parallelkit.models.hf_config import build_config
 
     config = build_config(source)
     with torch.device("meta"):

@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ModelParallelStrategy, Strategy
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from typing_extensions import override
@@ -48,13 +49,13 @@ from parallelkit.compat import (
     set_device_mesh,
     setup_distributed,
 )
-from parallelkit.contract import parallel_plan, shards_the_sequence
-from parallelkit.errors import ConfigError, PlanError
+from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import clip_grad_norm_
 from parallelkit.init import draw_whole_in_hooks, has_meta_tensors, materialize, meta_parameters
 from parallelkit.lora import has_adapters, trainable_names
 from parallelkit.mesh import AXES, MeshSpec
 from parallelkit.optim import compile_step
+from parallelkit.parallel import ResolvedPlan, resolve
 
 
 def reduce_logged(tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -242,33 +243,26 @@ class ParallelkitStrategy(ModelParallelStrategy):
         self.check_model(model)
 
     def check_model(self, model: Any) -> None:
-        """Refuse a model this layout cannot split (e.g. tp not dividing its key/value heads) with a `PlanError`.
-        The CLI calls it before any worker starts; `setup` meets the same errors on every rank otherwise. A model
-        that overrides `configure_model()` parallelises itself and is not checked here."""
-        from lightning.pytorch.utilities.model_helpers import is_overridden
+        """Refuse a model this layout cannot split (e.g. tp not dividing its key/value heads) with a `PlanError`, by
+        resolving its plan. The CLI calls it before any worker starts; `setup` resolves it again on every rank."""
+        self.resolved = self.resolve_plan(model)
 
-        from parallelkit.plan import tensor_parallel_plan
+    resolved: ResolvedPlan | None = None
+    """The model's plan resolved for this run's layout (`parallelkit.parallel.resolve`), once per process in `setup`
+    (and before launch by `check_run`): what `parallelize`, the monitors and the pipeline schedule read. None for a
+    model that overrides `configure_model()` and parallelises itself."""
 
-        tp = self.mesh_spec.size("tp")
-        if tp > 1 and not is_overridden("configure_model", model):
-            if self.sequence_parallel and not shards_the_sequence(parallel_plan(model)):
-                raise PlanError(
-                    f"sequence_parallel=True, but {type(model).__name__}'s tp_plan shards nothing on the sequence dim "
-                    "(no 'sequence_parallel' entry: norms on the residual stream), so there is no sequence-sharded "
-                    "stream for its column- and row-wise layers to take and give back. Fix: sequence_parallel: false "
-                    "(or leave it out), or add its norms to tp_plan as 'sequence_parallel'."
-                )
-            tensor_parallel_plan(model, tp, **self.tp_options(model))
-
-    def tp_options(self, model: Any = None) -> dict[str, bool]:
-        """How tensor-parallel styles are resolved: sequence parallelism (default: on when tp > 1 and the plan of
-        `model`, default the LightningModule, shards norms on the sequence; a plan of column- and row-wise layers
-        alone, e.g. on batch x features activations, has no sequence to shard), loss parallelism."""
-        sequence_parallel = self.sequence_parallel
-        if sequence_parallel is None:
-            model = model if model is not None else self.lightning_module
-            sequence_parallel = self.mesh_spec.size("tp") > 1 and shards_the_sequence(parallel_plan(model))
-        return {"sequence_parallel": sequence_parallel, "loss_parallel": self.loss_parallel}
+    def resolve_plan(self, model: Any) -> ResolvedPlan | None:
+        """`model`'s plan resolved for this layout (the tp degree, sequence and loss parallelism); None for a model
+        that overrides `configure_model()` (`parallelize_model` leaves it as it made itself)."""
+        if is_overridden("configure_model", model):
+            return None
+        return resolve(
+            model,
+            tp=self.mesh_spec.size("tp"),
+            sequence_parallel=self.sequence_parallel,
+            loss_parallel=self.loss_parallel,
+        )
 
     def layout(self) -> dict[str, Any]:
         """The run's parallel layout: strategy, mesh and the size of every axis (1 where the mesh has none)."""
@@ -370,15 +364,9 @@ class ParallelkitStrategy(ModelParallelStrategy):
         return (self.compile_backend() or "inductor") if self.compile_optimizer else None
 
     def parallelize_options(self) -> dict[str, Any]:
-        """The inner-axis options every strategy passes to `plan.parallelize`."""
-        tp_options = self.tp_options()
-        if self.mesh_spec.size("tp") > 1 and self.sequence_parallel is None and not tp_options["sequence_parallel"]:
-            rank_zero_info(
-                f"sequence_parallel off: {type(self.lightning_module).__name__}'s tp_plan shards no norm on the "
-                "sequence dim (no 'sequence_parallel' entry), so its activations stay whole on every tp rank."
-            )
+        """What every strategy passes to `parallelkit.parallelize`: the resolved plan and the per-block options."""
         return {
-            **tp_options,
+            "resolved": self.resolved,
             "activation_checkpointing": self.activation_checkpointing,
             "compile": self.compile_backend(),
             "reshard_after_forward": self.reshard_after_forward,
@@ -409,6 +397,13 @@ class ParallelkitStrategy(ModelParallelStrategy):
             logger.log_hyperparams({"parallel": self.layout()})
         built = dict(self.model.named_modules())  # before a pipeline split drops other ranks' layers
         self._parameter_names = [name for name, _ in self.model.named_parameters()]
+        self.resolved = self.resolve_plan(self.lightning_module)
+        resolved, tp = self.resolved, self.mesh_spec.size("tp")
+        if resolved is not None and self.sequence_parallel is None and tp > 1 and not resolved.sequence_parallel:
+            rank_zero_info(
+                f"sequence_parallel off: {type(self.lightning_module).__name__}'s tp_plan shards no norm on the "
+                "sequence dim (no 'sequence_parallel' entry), so its activations stay whole on every tp rank."
+            )
         self.parallelize_model(trainer)
         quiet_root_view_warning(self.model)
         if has_meta_tensors(self.model):

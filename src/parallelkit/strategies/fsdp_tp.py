@@ -12,7 +12,7 @@ from typing_extensions import override
 
 from parallelkit.errors import ConfigError
 from parallelkit.mesh import MeshSpec
-from parallelkit.plan import parallelize
+from parallelkit.parallel import parallelize
 from parallelkit.strategies.base import MeshShape, ParallelkitStrategy
 
 _NOT_PLANNED = object()
@@ -69,7 +69,7 @@ class FSDPTPStrategy(ParallelkitStrategy):
 
     def parallelize_model(self, trainer: Any) -> None:
         # The escape hatch: a model overriding configure_model() has already parallelised itself there.
-        if not is_overridden("configure_model", self.lightning_module):
+        if self.resolved is not None:
             parallelize(self.model, self.device_mesh, **self.parallelize_options())
 
     @override

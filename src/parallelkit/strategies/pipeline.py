@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Generator
+from collections.abc import Generator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
@@ -35,10 +35,9 @@ from typing_extensions import override
 
 from parallelkit.comm import CommHook
 from parallelkit.compat import quiet_root_view_warning, skip_loop_backward
-from parallelkit.contract import ParallelPlan, parallel_plan
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.mesh import data_parallel_group
-from parallelkit.plan import parallelize, pipeline_layer_names, split_stages
+from parallelkit.parallel import ResolvedPlan, parallelize, resolve
 from parallelkit.strategies.base import MeshShape, ParallelkitStrategy
 
 SCHEDULES = {
@@ -263,15 +262,11 @@ class PipelineStrategy(ParallelkitStrategy):
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         module = self.lightning_module
-        self.check_model(module)
-        self._contract = parallel_plan(module)
-        layers = pipeline_layer_names(module, self._contract)
         pp_mesh = self.device_mesh["pp"]
-        stages = split_stages(module, layers, self.num_stages, self.split_points)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._check_every_rank_trains(module, stages)
+            self._check_every_rank_trains(module, self.resolved.stages)
         mine = self.stage_indices(pp_mesh.get_local_rank())
-        modules = parallelize(module, self.device_mesh, stages=[stages[i] for i in mine], **self.parallelize_options())
+        modules = parallelize(module, self.device_mesh, stages=mine, **self.parallelize_options())
         if self.reshard_after_forward != "always":
             for stage in modules:
                 quiet_root_view_warning(stage)
@@ -302,7 +297,7 @@ class PipelineStrategy(ParallelkitStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             skip_loop_backward(trainer)  # the schedule runs backward itself
 
-    def _check_every_rank_trains(self, module: Any, stages: list[list[str]]) -> None:
+    def _check_every_rank_trains(self, module: Any, stages: Sequence[Sequence[str]]) -> None:
         """Refuse, on every rank alike, a split where some rank's stages hold no trainable parameter (a LoRA model
         whose adapters all sit in other stages): that rank's optimizer would be empty, which torch refuses."""
         for rank in range(self.pp_size):
@@ -317,29 +312,34 @@ class PipelineStrategy(ParallelkitStrategy):
                 )
 
     @override
-    def check_model(self, model: Any) -> None:
-        """Refuse a model that cannot be pipelined (and what `fsdp_tp` refuses)."""
-        super().check_model(model)
-        contract: ParallelPlan = parallel_plan(model)
+    def resolve_plan(self, model: Any) -> ResolvedPlan:
+        """The model's plan with its pipeline stages; refuses a model that cannot be pipelined (and what `fsdp_tp`
+        refuses)."""
         if is_overridden("configure_model", model):
             raise PlanError(
-                f"{contract.description} overrides configure_model(), but pipeline strategies build stages from "
+                f"{type(model).__name__} overrides configure_model(), but pipeline strategies build stages from "
                 "pipeline_layers and cannot split a model that parallelised itself. Remove configure_model() "
                 "or use strategy='fsdp_tp'."
             )
-        layers = pipeline_layer_names(model, contract)
-        if self.mesh_spec is not None:  # too few layers for the stages, bad split points: named before launch
-            split_stages(model, layers, self.num_stages, self.split_points)
-        if contract.loss is None:
+        resolved = resolve(
+            model,
+            tp=self.mesh_spec.size("tp"),
+            sequence_parallel=self.sequence_parallel,
+            loss_parallel=self.loss_parallel,
+            num_stages=self.num_stages,
+            split_points=self.split_points,
+        )
+        if resolved.plan.loss is None:
             raise PlanError(
-                f"{contract.description} has no pipeline_loss(output, target): the last pipeline stage needs it to "
+                f"{resolved.description} has no pipeline_loss(output, target): the last pipeline stage needs it to "
                 "compute the loss."
             )
+        return resolved
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._predicting:  # torch's schedules compute a loss on the last stage whatever the step is for
             return output.new_zeros(())
-        return self._contract.loss(output, target) / self._loss_scale
+        return self.resolved.plan.loss(output, target) / self._loss_scale
 
     def _check_batch(self, inputs: torch.Tensor) -> None:
         if inputs.shape[0] % self.microbatches:
@@ -351,7 +351,7 @@ class PipelineStrategy(ParallelkitStrategy):
 
     def _run(self, batch: Any, *, train: bool) -> torch.Tensor:
         """One schedule step over a process's batch; returns its mean loss, the same on every stage."""
-        inputs, target = self._contract.split_batch(batch)
+        inputs, target = self.resolved.plan.split_batch(batch)
         self._check_batch(inputs)
         # The whole batch's mean loss is the mean over microbatches; Lightning also divides by
         # accumulate_grad_batches before its own backward. Both divisions happen here, on each microbatch.
@@ -438,7 +438,7 @@ class PipelineStrategy(ParallelkitStrategy):
     @override
     def predict_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> Any:
         """The last stage's output for the batch's inputs (as the plan's `split_batch` finds them), on every rank."""
-        inputs = self._contract.split_batch(batch)[0]
+        inputs = self.resolved.plan.split_batch(batch)[0]
         self._check_batch(inputs)
         args = (inputs,) if self._has_first else ()
         target = inputs.new_zeros(inputs.shape[0]) if self._has_last else None  # the schedule wants one

@@ -1,0 +1,83 @@
+"""Parallel techniques, one module each, and `parallelize`, which applies them in the one fixed order.
+
+- `resolve`: a model's declared plan resolved for a layout (names, checks, stages): read by everything below;
+- `pipeline`: the stage split; `tensor_parallel`; `activation_checkpoint`; `compile`; `fsdp`.
+
+The order, per root (the model, or each of this rank's pipeline stages): pipeline split -> tensor parallel ->
+activation checkpointing -> compile -> FSDP. The split comes first so each stage is parallelised on its own; tensor
+parallelism before FSDP, which shards the DTensors it made; checkpointing inside the FSDP units, so the recompute
+sees gathered parameters; the compiled blocks see tensor parallelism's collectives but not FSDP's. A new technique
+gets a module here and a line in `parallelize` (docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from parallelkit.mesh import data_parallel_mesh
+from parallelkit.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_modules
+from parallelkit.parallel.compile import apply_compile
+from parallelkit.parallel.fsdp import apply_fsdp, runnable_unit
+from parallelkit.parallel.pipeline import split_model
+from parallelkit.parallel.resolve import ResolvedPlan, resolve
+from parallelkit.parallel.tensor_parallel import apply_tensor_parallel
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+
+def parallelize(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    resolved: ResolvedPlan | None = None,
+    stages: Sequence[int] | None = None,
+    activation_checkpointing: str | int = "none",
+    compile: str | None = None,
+    reshard_after_forward: str = "default",
+    param_dtype: Any = None,
+    comm_hook: Any = None,
+    cpu_offload: bool = False,
+) -> list[nn.Module]:
+    """Make `model` parallel over `mesh` as `resolved` (the strategy's `ResolvedPlan`) says; None resolves the model's
+    plan for `mesh` here, as a call outside a strategy needs. Returns the modules to run: `[model]`, or with `stages`
+    (indices into `resolved.stages`: this rank's) one `StageModule` per stage, the other layers dropped.
+
+    `compile`: the `torch.compile` backend for each block, or None (eager). `comm_hook`: a `parallelkit.comm.CommHook`
+    for the gradient reduction.
+    """
+    if resolved is None:
+        tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
+        resolved = resolve(model, tp=tp, num_stages=None if stages is None else max(stages) + 1)
+    name = type(model).__name__
+    roots = [model] if stages is None else split_model(model, resolved, stages)
+    names = mesh.mesh_dim_names or ()
+    dp_mesh = data_parallel_mesh(mesh)
+    if dp_mesh is not None and all(axis in names for axis in ("replicate", "fsdp")):
+        dp_mesh = mesh["replicate", "fsdp"]  # HSDP: replicate across, shard within
+    for root in roots:
+        if resolved.tp_size > 1:
+            apply_tensor_parallel(root, mesh["tp"], resolved)
+        held = dict(root.named_modules())
+        units = [runnable_unit(name, fqn, held[fqn]) for fqn in resolved.fsdp_units if fqn in held]
+        if compile is None:
+            apply_activation_checkpointing(units, activation_checkpointing)
+        else:
+            apply_compile(units, compile, checkpointed_modules(units, activation_checkpointing))
+        if dp_mesh is not None:
+            apply_fsdp(
+                root,
+                units,
+                dp_mesh,
+                param_dtype=param_dtype,
+                comm_hook=comm_hook,
+                reshard_after_forward=reshard_after_forward,
+                cpu_offload=cpu_offload,
+            )
+    return roots
+
+
+__all__ = ["ResolvedPlan", "parallelize", "resolve"]

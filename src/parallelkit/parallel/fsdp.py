@@ -1,0 +1,72 @@
+"""FSDP2: each fsdp unit, then the root (the model, or a pipeline stage), fully sharded over the data-parallel mesh."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from torch import nn
+
+from parallelkit.errors import PlanError
+from parallelkit.parallel.resolve import has_forward
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+Unit = nn.Module | list[nn.Module]
+"""An fsdp unit as FSDP2 takes it: a module, or a list of modules sharded (and gathered) as one group."""
+
+
+def runnable_unit(model_name: str, fqn: str, module: nn.Module) -> Unit:
+    """`module` as an fsdp unit: itself, or for a container without forward (e.g. a block written as an
+    `nn.ModuleDict`) its children as one group, since FSDP2 gathers a unit in the forward hooks of its modules."""
+    if has_forward(module):
+        return module
+    children = list(module.named_children())
+    uncallable = [name for name, child in children if not has_forward(child)]
+    if not children or uncallable:
+        inner = f"{fqn}.{uncallable[0]}" if uncallable else fqn
+        raise PlanError(
+            f"{model_name}.fsdp_units entry {fqn} ({type(module).__name__}) has no forward(), and "
+            f"{'neither does its child ' + inner if uncallable else 'no children to shard in its place'}: FSDP2 "
+            "gathers a unit's parameters when the unit is called, and this one never is. Fix: name the modules "
+            f"that are called as units instead, e.g. fsdp_units = ['{inner}.*'], or give the block a forward()."
+        )
+    return [child for _, child in children]
+
+
+def apply_fsdp(
+    root: nn.Module,
+    units: list[Unit],
+    dp_mesh: DeviceMesh,
+    *,
+    param_dtype: Any = None,
+    comm_hook: Any = None,
+    reshard_after_forward: str = "default",
+    cpu_offload: bool = False,
+) -> None:
+    """fully_shard each fsdp unit, then the root, over `dp_mesh` (2-D replicate x fsdp means HSDP).
+
+    `reshard_after_forward`: "always" frees every gathered weight after its forward, "never" keeps them all,
+    "default" frees all but the last unit and the root: backward needs those first, so freeing them would
+    only repeat their all-gather at once. `comm_hook` (a `parallelkit.comm.CommHook`) sets the gradient
+    reduction dtype and may replace the reduce-scatter of every module it shards.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+    options = {
+        "mesh": dp_mesh,
+        "mp_policy": MixedPrecisionPolicy(
+            param_dtype=param_dtype, reduce_dtype=comm_hook.reduce_dtype if comm_hook is not None else None
+        ),
+        "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
+    }
+    for index, unit in enumerate(units):
+        last = index == len(units) - 1
+        reshard = reshard_after_forward == "always" or (reshard_after_forward == "default" and not last)
+        fully_shard(unit, reshard_after_forward=reshard, **options)
+    # The root holds what no unit does (embeddings, final norm, head).
+    fully_shard(root, reshard_after_forward=reshard_after_forward == "always", **options)
+    if comm_hook is not None:
+        # A group's modules share one FSDP state: configuring its first module configures the group.
+        for module in (*units, root):
+            comm_hook.configure(module[0] if isinstance(module, list) else module)
