@@ -22,7 +22,6 @@ import functools
 import time
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager
-from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -33,34 +32,12 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from typing_extensions import override
 
-from parallelkit.comm import CommHook
 from parallelkit.compat import quiet_root_view_warning, skip_loop_backward
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.mesh import data_parallel_group
 from parallelkit.parallel import ResolvedPlan, parallelize, resolve
+from parallelkit.parallel.schedule import Schedule
 from parallelkit.strategies.base import MeshShape, ParallelkitStrategy
-
-SCHEDULES = {
-    "gpipe": "GPipe",
-    "1f1b": "1F1B",
-    "interleaved_1f1b": "Interleaved1F1B",
-    "looped_bfs": "LoopedBFS",
-    "interleaved_zero_bubble": "InterleavedZeroBubble",
-    "zbv": "ZBVZeroBubble",
-    "dualpipev": "DualPipeV",
-}
-"""Schedule names users write -> torch's schedule class names."""
-
-MULTI_STAGE = {"interleaved_1f1b", "looped_bfs", "interleaved_zero_bubble", "zbv", "dualpipev"}
-"""Schedules that run several (virtual) stages per rank."""
-
-V_SHAPED = {"zbv", "dualpipev"}
-"""Schedules that place exactly two stages per rank in a V: rank r holds stages r and 2 pp - 1 - r, so the first and
-the last stage share rank 0 (the others use the loop placement: rank r holds stages r, r + pp, r + 2 pp, ...)."""
-
-ZERO_BUBBLE = {"interleaved_zero_bubble", "zbv", "dualpipev"}
-"""Schedules that split each backward into an input-gradient step and a later weight-gradient step, which fills
-the bubble."""
 
 
 class PipelineStrategy(ParallelkitStrategy):
@@ -88,24 +65,10 @@ class PipelineStrategy(ParallelkitStrategy):
             to the theoretical one (`pp_bubble_theory`). Adds a device synchronisation per microbatch.
         reshard_after_forward: FSDP policy inside each stage. Default "never": resharding would repeat the
             all-gather for every microbatch.
-        sequence_parallel: Sequence parallelism inside the tp group (default: on when tp > 1).
-        loss_parallel: Cross-entropy on vocab-sharded logits on the last stage (tp > 1 only).
-        activation_checkpointing: "none", "full" or every n-th block.
-        compile: Compile each pipeline layer's block with `torch.compile` (true: inductor, or a backend name; see
-            FSDPTPStrategy). Not with the zero-bubble schedules, whose split backward torch cannot run compiled.
-        compile_optimizer: Compile the optimizer's update too (see FSDPTPStrategy).
-        comm_precision: How gradients are reduced: a comm hook name ("fp32" default, "bf16", "fp16", "int8", or
-            one a plugin registers) or a `parallelkit.comm.CommHook`.
-        profile_communication: Log every collective per optimizer step (count, bytes, time by kind) and print
-            a summary at the end of fit (`parallelkit.callbacks.CommunicationMonitor`).
-        timeout: Seconds (or a timedelta) a collective may wait before the job fails instead of hanging.
-        process_group_backend: "gloo" or "nccl"; default chosen from the accelerator.
-        save_distributed_checkpoint: Must stay True (rank 0 holds only its own stages); a single-file checkpoint
-            written by fsdp_tp loads here.
-        meta_init: Build the model's parameters on the meta device (the CLI and `Trainer.init_module()` do) and
-            allocate only this rank's shards after sharding, so no process ever holds the whole model. Weights
-            equal an eager build's from the same seed (`parallelkit.init`); the model must initialise through
-            `reset_parameters()` of its modules and/or its own `init_weights()`.
+        **kwargs: The options every parallelkit strategy takes (`ParallelkitStrategy`). Here `compile` compiles
+            each pipeline layer's block, not with the zero-bubble schedules, whose split backward torch cannot run
+            compiled; `save_distributed_checkpoint` must stay True (rank 0 holds only its own stages; a single-file
+            checkpoint written by fsdp_tp loads here).
     """
 
     required_axes = ("pp", "fsdp", "tp")
@@ -119,33 +82,9 @@ class PipelineStrategy(ParallelkitStrategy):
         split_points: list[int | str] | None = None,
         schedule_stats: bool = False,
         reshard_after_forward: Literal["default", "always", "never"] = "never",
-        sequence_parallel: bool | None = None,
-        loss_parallel: bool = False,
-        activation_checkpointing: int | str = "none",  # int first: from the CLI "2" must parse as every 2nd block
-        compile: bool | str = False,
-        compile_optimizer: bool = False,
-        comm_precision: str | CommHook | None = None,
-        profile_communication: bool = False,
-        timeout: float | timedelta = 1800.0,
-        process_group_backend: str | None = None,
-        save_distributed_checkpoint: bool = True,
-        meta_init: bool = False,
+        **kwargs: Any,
     ) -> None:
-        super().__init__(
-            mesh_shape=mesh_shape,
-            reshard_after_forward=reshard_after_forward,
-            sequence_parallel=sequence_parallel,
-            loss_parallel=loss_parallel,
-            activation_checkpointing=activation_checkpointing,
-            compile=compile,
-            compile_optimizer=compile_optimizer,
-            comm_precision=comm_precision,
-            profile_communication=profile_communication,
-            timeout=timeout,
-            process_group_backend=process_group_backend,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            meta_init=meta_init,
-        )
+        super().__init__(mesh_shape=mesh_shape, reshard_after_forward=reshard_after_forward, **kwargs)
         self.schedule = schedule.lower()
         self._stages_per_rank = stages_per_rank
         self._microbatches = microbatches
@@ -157,48 +96,19 @@ class PipelineStrategy(ParallelkitStrategy):
         self._loss_scale = 1.0
         self._predicting = False
 
+    @property
+    def pipeline(self) -> Schedule:
+        """The schedule over this run's pp ranks (`parallelkit.parallel.schedule`: placement, defaults, checks)."""
+        pp = self.mesh_spec.size("pp") if self.mesh_spec is not None else 1
+        return Schedule(self.schedule, pp, self._stages_per_rank, self._microbatches)
+
     def check_options(self) -> None:
         super().check_options()
-        if self.schedule not in SCHEDULES:
-            raise ConfigError(
-                f"schedule={self.schedule!r} is not a pipeline schedule; use one of {', '.join(SCHEDULES)}."
-            )
-        if self._stages_per_rank is not None and self.schedule in V_SHAPED and self._stages_per_rank != 2:
-            raise ConfigError(
-                f"stages_per_rank={self._stages_per_rank} with schedule={self.schedule!r}: V-shaped schedules "
-                f"({', '.join(sorted(V_SHAPED))}) place exactly 2 stages per rank. Set stages_per_rank=2 (or leave "
-                "it out), or use schedule='interleaved_zero_bubble' for another number."
-            )
-        if self._stages_per_rank is not None and (
-            self._stages_per_rank < 1 or (self.schedule not in MULTI_STAGE and self._stages_per_rank != 1)
-        ):
-            raise ConfigError(
-                f"stages_per_rank={self._stages_per_rank} with schedule={self.schedule!r}: single-stage schedules "
-                f"(gpipe, 1f1b) take 1; interleaved ones ({', '.join(sorted(MULTI_STAGE - V_SHAPED))}) take 1 or more."
-            )
-        if self.schedule in ZERO_BUBBLE and self.activation_checkpointing not in ("none", 0):
-            raise ConfigError(
-                f"schedule={self.schedule!r} with activation_checkpointing={self.activation_checkpointing!r}: "
-                "zero-bubble schedules run each block's backward in two passes (input gradients, then weight "
-                "gradients), so a checkpointed block would be recomputed twice, which torch's checkpoint cannot do "
-                "(it fails in the weight pass). Set activation_checkpointing='none', or checkpoint under "
-                "schedule='interleaved_1f1b' (or '1f1b')."
-            )
-        if self.schedule in ZERO_BUBBLE and self.compile:
-            raise ConfigError(
-                f"schedule={self.schedule!r} with compile={self.compile!r}: zero-bubble schedules split each block's "
-                "backward into input and weight gradients, which torch does not do for compiled code. Set "
-                "compile=false, or compile under schedule='interleaved_1f1b' (or '1f1b')."
-            )
-        if self._microbatches is not None and self._microbatches < 1:
-            raise ConfigError(f"microbatches={self._microbatches}: use a positive number that divides data.batch_size.")
+        self.pipeline.check_options(self.activation_checkpointing, self.compile)
 
     @property
     def stages_per_rank(self) -> int:
-        """Virtual stages per rank: as given, else 2 for interleaved schedules and 1 for the others."""
-        if self._stages_per_rank is not None:
-            return self._stages_per_rank
-        return 2 if self.schedule in MULTI_STAGE else 1
+        return self.pipeline.stages_per_rank
 
     def auto_mesh(self, num_nodes: int, devices: int) -> MeshShape:
         """Every process a pipeline stage."""
@@ -210,75 +120,47 @@ class PipelineStrategy(ParallelkitStrategy):
 
     @property
     def num_stages(self) -> int:
-        return self.pp_size * self.stages_per_rank
+        return self.pipeline.num_stages
 
     @property
     def microbatches(self) -> int:
-        return self._microbatches or 2 * self.num_stages
+        return self.pipeline.microbatches
 
     @override
     def _configure_launcher(self) -> None:
         super()._configure_launcher()
-        if self.pp_size < 2:
-            raise ConfigError(
-                f"mesh_shape {self.mesh_spec} has pp={self.pp_size}; pipeline schedules need a pp axis of at "
-                'least 2, e.g. [[2, 2], ["pp", "fsdp"]]. For no pipeline, use strategy="fsdp_tp".'
-            )
         if not self.save_distributed_checkpoint:
             raise ConfigError(
                 "save_distributed_checkpoint=False writes one file from rank 0, which holds only the first pipeline "
                 "stage. Keep the sharded default and take one file with: parallelkit consolidate CKPT_DIR OUT.pt"
             )
-        if self.microbatches < self.pp_size:
-            raise ConfigError(
-                f"microbatches={self.microbatches} is fewer than the {self.pp_size} pipeline ranks: some stages would "
-                f"idle every step. Use microbatches >= {self.pp_size} (and dividing data.batch_size)."
-            )
-        if self.stages_per_rank > 1 and self.microbatches % self.pp_size:
-            raise ConfigError(
-                f"schedule={self.schedule!r} needs microbatches to be a multiple of pp={self.pp_size}, got "
-                f"{self.microbatches}."
-            )
-        if self.schedule == "dualpipev" and self.microbatches < self.num_stages:
-            raise ConfigError(
-                f"schedule='dualpipev' needs at least as many microbatches as stages ({self.num_stages}: pp="
-                f"{self.pp_size} x 2), got microbatches={self.microbatches}. Use microbatches >= {self.num_stages} "
-                "(and dividing data.batch_size)."
-            )
+        self.pipeline.check_layout(self.mesh_spec)
 
     def stage_indices(self, pp_rank: int) -> list[int]:
-        """The stages pipeline rank `pp_rank` holds, in the order torch's schedules expect.
-
-        Loop placement (every multi-stage schedule but the V-shaped ones): rank r holds r, r + pp, r + 2 pp, ...
-        V placement: the stages go down the ranks and back up, so with pp=2 rank 0 holds 0 and 3, rank 1 holds 1 and
-        2; the last stage then runs beside the first, and the turn (stages pp - 1 and pp) needs no send.
-        """
-        pp = self.pp_size
-        if self.schedule in V_SHAPED:
-            return [pp_rank, 2 * pp - 1 - pp_rank]
-        return [pp_rank + i * pp for i in range(self.stages_per_rank)]
+        """The stages pipeline rank `pp_rank` holds (`Schedule.stage_indices`)."""
+        return self.pipeline.stage_indices(pp_rank)
 
     def parallelize_model(self, trainer: Any) -> None:
         from torch.distributed.pipelining.schedules import get_schedule_class
 
         module = self.lightning_module
         pp_mesh = self.device_mesh["pp"]
+        schedule = self.pipeline
         if trainer.state.fn == TrainerFn.FITTING:
             self._check_every_rank_trains(module, self.resolved.stages)
-        mine = self.stage_indices(pp_mesh.get_local_rank())
+        mine = schedule.stage_indices(pp_mesh.get_local_rank())
         modules = parallelize(module, self.device_mesh, stages=mine, **self.parallelize_options())
         if self.reshard_after_forward != "always":
             for stage in modules:
                 quiet_root_view_warning(stage)
         pipeline_stages = [
-            _Stage(stage, index, self.num_stages, self.root_device, group=pp_mesh.get_group())
+            _Stage(stage, index, schedule.num_stages, self.root_device, group=pp_mesh.get_group())
             for index, stage in zip(mine, modules)
         ]
         self._stages = pipeline_stages
-        schedule_class = get_schedule_class(SCHEDULES[self.schedule])
-        self._schedule = schedule_class(
-            pipeline_stages if self.schedule in MULTI_STAGE else pipeline_stages[0],
-            n_microbatches=self.microbatches,
+        self._schedule = get_schedule_class(schedule.torch_class)(
+            pipeline_stages if schedule.multi_stage else pipeline_stages[0],
+            n_microbatches=schedule.microbatches,
             loss_fn=self._loss,
             # Not scale_grads: it divides all of .grad after the step, gradients accumulated by earlier
             # accumulation micro-steps included. The loss is divided instead (see _run).
@@ -290,8 +172,7 @@ class PipelineStrategy(ParallelkitStrategy):
         self._has_last = any(stage.is_last for stage in pipeline_stages)
         self._pp_group = pp_mesh.get_group()
         self._dp_group = data_parallel_group(self)
-        last = next(rank for rank in range(self.pp_size) if self.num_stages - 1 in self.stage_indices(rank))
-        self._last_stage_rank = dist.get_global_rank(self._pp_group, last)
+        self._last_stage_rank = dist.get_global_rank(self._pp_group, schedule.last_stage_rank())
         # Gradient clipping adds up the stages' norms.
         self.precision_plugin.stage_group = pp_mesh.get_group()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -342,12 +223,7 @@ class PipelineStrategy(ParallelkitStrategy):
         return self.resolved.plan.loss(output, target) / self._loss_scale
 
     def _check_batch(self, inputs: torch.Tensor) -> None:
-        if inputs.shape[0] % self.microbatches:
-            raise ConfigError(
-                f"microbatches={self.microbatches} does not divide the per-process batch of {inputs.shape[0]} "
-                f"(data.batch_size). Fix: a batch size that is a multiple of {self.microbatches}, or microbatches "
-                "that divide it."
-            )
+        self.pipeline.check_batch(inputs.shape[0])
 
     def _run(self, batch: Any, *, train: bool) -> torch.Tensor:
         """One schedule step over a process's batch; returns its mean loss, the same on every stage."""
@@ -376,19 +252,8 @@ class PipelineStrategy(ParallelkitStrategy):
 
     @property
     def theoretical_bubble(self) -> float | None:
-        """Idle fraction of the ideal schedule, for p ranks, v stages each, m microbatches: (p - 1) / (v m + p - 1)
-        for GPipe and the 1F1B family. Zero-bubble schedules assume equal forward, input-gradient and weight-gradient
-        times: ZB1P leaves a third of 1F1B's idle time, (p - 1) / (3 v m + p - 1); ZB-V none. DualPipeV's depends on
-        how much of a forward overlaps a backward (the DualPipe paper's F&B): None."""
-        p, v, m = self.pp_size, self.stages_per_rank, self.microbatches
-        match self.schedule:
-            case "interleaved_zero_bubble":
-                return (p - 1) / (3 * v * m + p - 1)
-            case "zbv":
-                return 0.0
-            case "dualpipev":
-                return None
-        return (p - 1) / (v * m + p - 1)
+        """The ideal schedule's idle fraction (`Schedule.theoretical_bubble`)."""
+        return self.pipeline.theoretical_bubble
 
     def _log_schedule_stats(self, busy: float, wall: float) -> None:
         group = self._pp_group
