@@ -26,9 +26,27 @@ OVERRIDDEN = {
     "lightning.pytorch.strategies.Strategy._configure_launcher": "(self)",
     "lightning.pytorch.cli.LightningCLI._add_configure_optimizers_method_to_model": "(self, subcommand)",
     "lightning.pytorch.callbacks.RichProgressBar._get_train_description": "(self, current_epoch)",
+    "lightning.pytorch.strategies.DDPStrategy._register_ddp_hooks": "(self)",
+    "torch.distributed.pipelining.stage._PipelineStageBase.perform_reduce_grad": "(self, grad_scale_factor)",
+    "torch.distributed.pipelining.stage._PipelineStageBase.get_local_bwd_output": "(self, mb_index)",
+    "torch.distributed.pipelining.stage._PipelineStageBase.set_local_bwd_input": (
+        "(self, next_stage_bwd_outputs, mb_index)"
+    ),
+    "torch.distributed.pipelining.stage._PipelineStageBase.forward_one_chunk": (
+        "(self, fwd_chunk_id, args, kwargs=None, save_forward_output=True)"
+    ),
+    "torch.distributed.pipelining.stage._PipelineStageBase.backward_one_chunk": (
+        "(self, bwd_chunk_id, loss=None, full_backward=True, last_backward=False)"
+    ),
+    "torch.distributed.pipelining.stage._PipelineStageBase.backward_weight_one_chunk": (
+        "(self, bwd_chunk_id, last_backward=False)"
+    ),
 }
-"""Private methods parallelkit's subclasses override, with the signature they override: Lightning's strategies
-validate their configuration in `_configure_launcher`, the last hook before workers start."""
+"""Private and internal methods parallelkit's subclasses override (or, for a pipeline stage's `*_one_chunk` actions,
+time by wrapping), with the signature they rely on: Lightning's strategies validate their configuration in
+`_configure_launcher`, the last hook before workers start; DDPStrategy registers its comm hook in
+`_register_ddp_hooks`; torch's pipeline stages reduce gradients in `perform_reduce_grad` and hand input gradients
+between stages on one rank through `get_local_bwd_output`/`set_local_bwd_input` (`strategies/pipeline.py`)."""
 
 
 # -- Lightning ---------------------------------------------------------------------------------------------------
