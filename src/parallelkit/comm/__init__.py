@@ -125,3 +125,24 @@ def resolve(hook: str | CommHook | None) -> CommHook:
 
 
 __all__ = ["BF16", "FP16", "FP32", "CommHook", "cast_allreduce_hook", "resolve"]
+
+
+def reduce_logged(tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+    """What Lightning's `Strategy.reduce` does with a `sync_dist` value (an all-reduce over `group`, in place; "mean"
+    as SUM then a division on gloo, which has no AVG), without the barrier Lightning runs before it: a blocking
+    round trip per logged value per step, which the all-reduce itself makes redundant."""
+    import torch.distributed as dist
+
+    if not isinstance(tensor, torch.Tensor) or not dist.is_available() or not dist.is_initialized():
+        return tensor
+    group = dist.group.WORLD if group is None else group
+    divide = False
+    if isinstance(reduce_op, str):
+        name = "avg" if reduce_op.lower() == "mean" else reduce_op.lower()
+        divide = name == "avg" and dist.get_backend(group) == "gloo"
+        reduce_op = dist.ReduceOp.SUM if divide else getattr(dist.ReduceOp, name.upper())
+    dist.all_reduce(tensor, op=dist.ReduceOp.SUM if reduce_op is None else reduce_op, group=group)
+    if not divide:
+        return tensor
+    size = dist.get_world_size(group)
+    return tensor.div_(size) if torch.is_floating_point(tensor) else tensor.copy_(tensor / size)

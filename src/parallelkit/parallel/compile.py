@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
+import torch
 from torch import nn
 
 from parallelkit.parallel.fsdp import Unit
@@ -26,7 +27,6 @@ def apply_compile(units: list[Unit], backend: str, checkpointed: Sequence[nn.Mod
     """
     import functools
 
-    import torch
     from torch.utils.checkpoint import checkpoint
 
     from parallelkit.compat import saved_tensors_hooks_active, settle_async_collectives
@@ -54,3 +54,17 @@ def apply_compile(units: list[Unit], backend: str, checkpointed: Sequence[nn.Mod
 def _keep(tensor: Any) -> Any:
     """A saved-tensor hook that keeps the tensor as it is."""
     return tensor
+
+
+def compile_backends() -> list[str]:
+    """The backends `torch.compile` knows (inductor, aot_eager, eager, ...)."""
+    return torch.compiler.list_backends(exclude_tags=())
+
+
+def cpp_compiler() -> str | None:
+    """The C++ compiler inductor would build CPU kernels with, if there is one."""
+    import os
+    import shutil
+
+    names = [os.environ["CXX"]] if os.environ.get("CXX") else ["g++", "c++", "clang++"]
+    return next((path for name in names if (path := shutil.which(name))), None)

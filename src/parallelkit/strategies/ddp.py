@@ -10,10 +10,10 @@ from typing_extensions import override
 
 from parallelkit.callbacks.comm import CommunicationMonitor
 from parallelkit.callbacks.preemption import PreemptionCheckpoint
-from parallelkit.comm import CommHook
+from parallelkit.comm import CommHook, reduce_logged
 from parallelkit.comm import resolve as resolve_comm_hook
+from parallelkit.compat import destroy_process_groups_at_exit
 from parallelkit.errors import ConfigError
-from parallelkit.strategies.base import destroy_process_groups_at_exit, reduce_logged
 
 
 class DDPStrategy(LightningDDPStrategy):

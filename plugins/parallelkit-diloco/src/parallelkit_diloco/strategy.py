@@ -29,7 +29,8 @@ from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from parallelkit import CheckpointError, CommHook, ConfigError, FSDPTPStrategy, MeshSpec, parallelize, resolve_comm_hook
-from parallelkit.strategies.base import FLAT, MeshShape
+from parallelkit.checkpoint.strategy import FLAT
+from parallelkit.strategies.base import MeshShape
 
 
 class DiLoCoStrategy(FSDPTPStrategy):
