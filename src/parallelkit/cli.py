@@ -3,6 +3,9 @@
 parallelkit fit --config configs/ddp.yaml --trainer.max_steps=20
 parallelkit env --mesh '[[2, 2], ["fsdp", "tp"]]' --devices 4
 parallelkit plugins
+
+Over 400 lines: the LightningCLI subclass and the tools (`env`, `plugins`, `consolidate`, `export-hf`, `plan`)
+share its config reading and error reporting (`main`).
 """
 
 from __future__ import annotations
@@ -10,11 +13,11 @@ from __future__ import annotations
 import argparse
 import difflib
 import gc
-import importlib
 import os
 import platform
 import sys
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from functools import update_wrapper
@@ -358,16 +361,38 @@ PLAN_TABLE_OMITS = {"params", "grads", "optimizer", "tensor_peak"}
 """Estimate.as_dict() keys the table leaves to --json: it shows their sum (params+grads+optim) and the peak."""
 
 
+class _PlanCLI(ParallelkitCLI):
+    """The run's config read as `fit` reads it (LightningCLI's own parser: defaults, class paths, overrides, linked
+    arguments), its model built on the meta device, nothing launched."""
+
+    def __init__(self, config: str, overrides: Sequence[str]) -> None:
+        with warnings.catch_warnings():  # "args and command line arguments": the tool's own options are sys.argv's
+            warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
+            super().__init__(args=["--config", config, *overrides], run=False)
+
+    @override
+    def instantiate_classes(self) -> None:
+        """The model (on the meta device) and the datamodule, not the Trainer: the config names the cluster's
+        devices, which this machine need not have."""
+        with meta_parameters():
+            self.config_init = self.parser.instantiate_classes(self.config)
+        self.model = self._get(self.config_init, "model")
+        self.datamodule = self._get(self.config_init, "data")
+        trainer = self.config_init["trainer"]
+        self.precision = str(trainer.get("precision") or "32-true")
+        self.accumulate = int(trainer.get("accumulate_grad_batches") or 1)
+        self.activation_checkpointing = getattr(trainer.get("strategy"), "activation_checkpointing", None)
+
+
 def plan_command(argv: Sequence[str]) -> int:
     """Estimate per-device memory, communication and step time of every mesh for a run, and recommend one."""
     import json
 
-    import torch
-
-    from parallelkit.planner import Hardware, Workload, plan
+    from parallelkit.planner import Hardware, recommend, workload
 
     parser = argparse.ArgumentParser(prog="parallelkit plan", description=plan_command.__doc__)
     parser.add_argument("--config", required=True, help="the run's YAML (model, data, trainer as for `fit`)")
+
     parser.add_argument("--nodes", type=int, default=1)
     parser.add_argument("--devices-per-node", type=int, required=True)
     parser.add_argument("--device-memory", required=True, help="per device, e.g. 80GB or 24GiB")
@@ -379,36 +404,25 @@ def plan_command(argv: Sequence[str]) -> int:
     parser.add_argument("--device-tflops", type=float, default=400.0, help="peak dense TFLOP/s of one device")
     parser.add_argument("--no-pipeline", action="store_true", help="only fsdp/tp/hsdp meshes")
     parser.add_argument("--json", action="store_true", help="machine-readable output")
-    args = parser.parse_args(argv)
-
-    config = read_config(args.config)
-    model_cfg = config.get("model") or {}
-    data_args = (config.get("data") or {}).get("init_args", {})
-    trainer = config.get("trainer") or {}
-    strategy_args = (
-        (trainer.get("strategy") or {}).get("init_args", {}) if isinstance(trainer.get("strategy"), dict) else {}
+    parser.epilog = "Other options are fit's overrides of the config, e.g. --model.init_args.n_layer=48."
+    args, overrides = parser.parse_known_args(argv)
+    cli = _PlanCLI(args.config, overrides)
+    model, name = cli.model, type(cli.model).__name__
+    work = workload(
+        cli.datamodule,
+        cli.precision,
+        cli.activation_checkpointing,
+        cli.accumulate,
+        seq_len=args.seq_len,
+        micro_batch=args.micro_batch,
+        optimizer=args.optimizer,
     )
-    if "class_path" not in model_cfg:
-        raise ConfigError(f"{args.config} has no model.class_path: plan reads the model from the run's config.")
-    module, _, name = model_cfg["class_path"].rpartition(".")
-    model_class = getattr(importlib.import_module(module), name)
-    with torch.device("meta"):
-        model = model_class(**(model_cfg.get("init_args") or {}))
-    seq_len = args.seq_len or data_args.get("seq_len")
-    micro_batch = args.micro_batch or data_args.get("batch_size")
-    if not seq_len or not micro_batch:
+    if work is None:
         raise ConfigError(
             "plan needs the sequence length and micro-batch: set data.init_args.seq_len/batch_size "
             "in the config, or pass --seq-len and --micro-batch."
         )
-    work = Workload(
-        seq_len=seq_len,
-        micro_batch=micro_batch,
-        optimizer=args.optimizer,
-        compute_bytes=2 if str(trainer.get("precision", "32")).startswith("bf16") else 4,
-        activation_checkpointing=strategy_args.get("activation_checkpointing", "none") not in ("none", 0, None),
-        accumulate=int(trainer.get("accumulate_grad_batches", 1)),
-    )
+    seq_len, micro_batch = work.seq_len, work.micro_batch
     hw = Hardware(
         args.nodes,
         args.devices_per_node,
@@ -417,7 +431,7 @@ def plan_command(argv: Sequence[str]) -> int:
         args.inter_node_gbps,
         args.device_tflops,
     )
-    estimates, best, reason = plan(model, work, hw, pipeline=not args.no_pipeline)
+    estimates, best, reason = recommend(model, work, hw, pipeline=not args.no_pipeline)
     if args.json:
         print(
             json.dumps(

@@ -22,6 +22,9 @@ all-reduce; tp's activation collectives; pp's boundary activations and their gra
 compute (6 FLOPs per parameter per token plus attention, at `mfu` of the device's peak, stretched by the
 pipeline bubble) to every axis's bytes over its link bandwidth, with no overlap assumed. Layouts are ranked by
 job-wide tokens per second among those that fit.
+
+Over 400 lines: one estimate of a step (the profile, the per-rank arithmetic, the candidate meshes, the
+recommendation) whose parts read the same counts; apart, each would re-export the others' definitions.
 """
 
 from __future__ import annotations
@@ -73,6 +76,33 @@ class Workload:
     compute_bytes: int = 4  # 2 under bf16-mixed: activations and gathered parameters in bf16
     activation_checkpointing: bool = False
     accumulate: int = 1
+
+
+def workload(
+    datamodule: Any,
+    precision: str,
+    activation_checkpointing: int | str | None,
+    accumulate: int = 1,
+    *,
+    seq_len: int | None = None,
+    micro_batch: int | None = None,
+    optimizer: str = "adamw",
+) -> Workload | None:
+    """The workload of a run, as `fit` would run it: the datamodule's `seq_len` and `batch_size` (unless given), the
+    trainer's precision (bf16: 2-byte activations) and accumulation, the strategy's activation checkpointing. None
+    when the sequence length or the micro-batch is unknown. The `plan` tool and `mesh_shape="auto"` both use it."""
+    seq_len = seq_len or getattr(datamodule, "seq_len", None)
+    micro_batch = micro_batch or getattr(datamodule, "batch_size", None)
+    if not seq_len or not micro_batch:
+        return None
+    return Workload(
+        seq_len=seq_len,
+        micro_batch=micro_batch,
+        optimizer=optimizer,
+        compute_bytes=2 if str(precision).startswith("bf16") else 4,
+        activation_checkpointing=activation_checkpointing not in ("none", 0, None),
+        accumulate=accumulate,
+    )
 
 
 @dataclass
@@ -405,10 +435,11 @@ def candidates(
     return found
 
 
-def plan(
+def recommend(
     model: nn.Module, work: Workload, hw: Hardware, pipeline: bool = True
 ) -> tuple[list[Estimate], Estimate | None, str]:
-    """Every candidate's estimate (cheapest first), the recommendation, and the one-line reason."""
+    """Every candidate's estimate (cheapest first), the recommended one (None when none fits), and the one-line
+    reason."""
     prof = profile(model, work.seq_len, _divisors(hw.devices_per_node))
     estimates = []
     by_name = {layer.name: layer for layer in prof.layers}

@@ -6,6 +6,9 @@ what a trainer needs and HF leaves out: sequence parallelism on the residual str
 output), tp divisibility by the query *and* key/value head counts, and pipeline stages that hand each other the
 positions as well as the hidden states. `transformers` is an optional extra (`pip install -e ".[hf]"`), imported
 only when this class is used; nothing is downloaded: a model is built from a config (random init from the seed).
+
+Over 400 lines: `HFCausalLM` is one adapter of one foreign model class (its build, initialisation, weights in,
+parallel plans and pipeline stages), and the stage helpers at the end serve only it.
 """
 
 from __future__ import annotations

@@ -7,6 +7,9 @@ slice reads from a memory map), so under `meta_init` no rank ever holds the whol
 Out: a parallelkit checkpoint (sharded DCP directory or single file) of an `HFCausalLM` written back as such a
 directory, one safetensors shard at a time (peak memory about one shard, no process group, no GPU), with
 `config.json` and the tokenizer files of the directory the model came from.
+
+Over 400 lines: reading and writing the one format (safetensors directories) share its names, shapes and
+trust checks.
 """
 
 from __future__ import annotations

@@ -9,8 +9,9 @@ precision in place of autocast. Its DCP checkpoints are kept, made atomic and la
 
 This module keeps the Lightning lifecycle only: options checked before launch, the mesh, the plan resolved and
 applied in `setup`, and step routing. Checkpoint I/O is `parallelkit.checkpoint.strategy`, precision
-`strategies/precision.py`, the parallel techniques `parallelkit.parallel` (docs/architecture.md). It is a little over
-400 lines because that lifecycle is one class's: split further, a reader would follow one hook across files.
+`strategies/precision.py`, the parallel techniques `parallelkit.parallel` (docs/architecture.md).
+
+Over 400 lines: that lifecycle is one class's; split further, a reader would follow one hook across files.
 """
 
 from __future__ import annotations

@@ -85,9 +85,8 @@ class FSDPTPStrategy(ParallelkitStrategy):
         return self._auto_plan
 
     def _plan(self, model: Any, datamodule: Any, accumulate_grad_batches: int) -> str | None:
-        from parallelkit.planner import Hardware, Workload, gb, plan
+        from parallelkit.planner import Hardware, gb, recommend, workload
 
-        seq_len, batch = getattr(datamodule, "seq_len", None), getattr(datamodule, "batch_size", None)
         if is_overridden("configure_model", model):
             rank_zero_info(
                 f"mesh_shape='auto': {type(model).__name__} parallelises itself in configure_model(), which the "
@@ -104,7 +103,10 @@ class FSDPTPStrategy(ParallelkitStrategy):
                 f"device to plan it ({err}); every process shards."
             )
             return None
-        if not seq_len or not batch:
+        work = workload(
+            datamodule, self.precision_plugin.precision, self.activation_checkpointing, accumulate_grad_batches
+        )
+        if work is None:
             rank_zero_warn(
                 "mesh_shape='auto': the datamodule states no seq_len/batch_size to plan for; every process shards."
             )
@@ -116,17 +118,9 @@ class FSDPTPStrategy(ParallelkitStrategy):
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / self.num_processes
             hw = {"intra_node_gbps": 5.0, "inter_node_gbps": 1.0, "device_tflops": 0.1}
             budget = f"{gb(memory)} per process (this machine's memory over {self.num_processes} processes)"
-        precision = self.precision_plugin.param_dtype
-        work = Workload(
-            seq_len=seq_len,
-            micro_batch=batch,
-            compute_bytes=2 if precision == torch.bfloat16 else 4,
-            activation_checkpointing=self.activation_checkpointing not in ("none", 0),
-            accumulate=accumulate_grad_batches,
-        )
         hardware = Hardware(self.num_nodes, self.num_processes, memory, **hw)
         try:
-            _, best, reason = plan(meta, work, hardware, pipeline=False)
+            _, best, reason = recommend(meta, work, hardware, pipeline=False)
         except Exception as err:  # noqa: BLE001 - e.g. a module without forward(); the default mesh still trains
             rank_zero_warn(f"mesh_shape='auto': cannot plan {type(model).__name__} ({err}); every process shards.")
             return None

@@ -1,0 +1,130 @@
+"""The layout docs/architecture.md describes, held: who may import whom, where the plan is read, file sizes."""
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "src" / "parallelkit"
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+
+
+def imports(path: Path) -> set[str]:
+    """The parallelkit modules `path` imports, at the top or inside functions (not under `if TYPE_CHECKING:`)."""
+    tree = ast.parse(path.read_text())
+    typing_only = {
+        id(node)
+        for branch in ast.walk(tree)
+        if isinstance(branch, ast.If) and "TYPE_CHECKING" in ast.unparse(branch.test)
+        for statement in branch.body
+        for node in ast.walk(statement)
+    }
+    found = set()
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module, *(f"{node.module}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found.update(name for name in names if name in MODULES)
+    return found - {module_name(path)}
+
+
+GRAPH = {name: imports(path) for name, path in MODULES.items()}
+
+
+def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import cycles of `graph`: its strongly connected groups of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:
+            group = []
+            while (member := stack.pop()) != node:
+                group.append(member)
+            if group:
+                found.append(sorted([node, *group]))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return found
+
+
+def test_the_finder_sees_a_cycle_through_an_import_inside_a_function():
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    body = "def f():\n    from parallelkit.lora import LoRA\n"
+    assert "parallelkit.lora" in imports_of_text(body)
+
+
+def imports_of_text(text: str) -> set[str]:
+    path = PACKAGE / "_probe_.py"
+    try:
+        path.write_text(text)
+        return imports(path)
+    finally:
+        path.unlink()
+
+
+def test_the_package_has_no_import_cycle():
+    assert not cycles(GRAPH), cycles(GRAPH)
+
+
+def test_the_contract_imports_nothing_of_ours_and_the_parallel_code_no_lora_or_strategy():
+    assert GRAPH["parallelkit.contract"] == set()
+    parallel = {name: deps for name, deps in GRAPH.items() if name.startswith("parallelkit.parallel")}
+    assert parallel, "no parallel package"
+    for name, deps in parallel.items():
+        wrong = {d for d in deps if d.startswith(("parallelkit.lora", "parallelkit.strategies", "parallelkit.models"))}
+        assert not wrong, f"{name} imports {wrong}: a technique knows the contract, not models, LoRA or strategies"
+
+
+def calls(path: Path, function: str) -> int:
+    """Calls of `function` by its plain name (as imported: `resolve(...)`, not `path.resolve()`)."""
+    tree = ast.parse(path.read_text())
+    return sum(isinstance(node, ast.Call) and getattr(node.func, "id", None) == function for node in ast.walk(tree))
+
+
+def test_the_declared_plan_is_read_in_resolve_alone_and_at_build_time_by_lora():
+    readers = {module_name(path) for path in MODULES.values() if calls(path, "declared_plan")}
+    assert readers == {"parallelkit.parallel.resolve", "parallelkit.lora"}, readers
+    resolvers = {module_name(path) for path in MODULES.values() if calls(path, "resolve")}
+    # The strategies (once per process), the planner (once per model), the monitors under a strategy that resolves
+    # none, and `parallelize` called outside a strategy.
+    assert resolvers == {
+        "parallelkit.strategies.base",
+        "parallelkit.strategies.pipeline",
+        "parallelkit.planner",
+        "parallelkit.callbacks.monitors",
+        "parallelkit.parallel",
+    }, resolvers
+
+
+@pytest.mark.parametrize("name", sorted(MODULES))
+def test_a_module_over_400_lines_says_why_in_its_docstring(name):
+    path = MODULES[name]
+    lines = len(path.read_text().splitlines())
+    if lines > 420:
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        assert "Over 400 lines:" in doc, f"{path.name} has {lines} lines and no reason for them in its docstring"
