@@ -122,8 +122,8 @@ def _reference(options: dict):  # noqa: ANN202
 def check_family(model_type: str) -> Row:
     """One family: logits and loss against transformers' own forward (same weights), whether its tp plan
     translates, and whether two pipeline stages, each holding only its layers, compute the model's own logits."""
-    from parallelkit.contract import parallel_plan
     from parallelkit.errors import ConfigError, PlanError
+    from parallelkit.parallel import resolve
     from parallelkit.models import HFCausalLM
 
     row = Row(model_type)
@@ -159,7 +159,7 @@ def check_family(model_type: str) -> Row:
         row.error = f"{model_type}: {type(err).__name__}: {_one_line(err)}"
         return row
     try:
-        parallel_plan(model)
+        resolve(model)
     except PlanError as err:  # no decoder layers to shard: refused under every parallel strategy
         row.exact = f"refused: {_one_line(err)}"
         return row
@@ -188,12 +188,11 @@ def _initialised_unlike(model, expected) -> str:  # noqa: ANN001
 
 
 def _tp(model) -> str:  # noqa: ANN001
-    from parallelkit.contract import parallel_plan
     from parallelkit.errors import PlanError
-    from parallelkit.plan import tensor_parallel_plan
+    from parallelkit.parallel import resolve
 
     try:
-        tensor_parallel_plan(model, 2, contract=parallel_plan(model))
+        resolve(model, tp=2)
     except PlanError as err:
         text = str(err)
         if "family sweep" in text:  # not in TP_FAMILIES: what the launch on two processes decides
@@ -210,25 +209,27 @@ def _pp(model, tokens: torch.Tensor) -> str:  # noqa: ANN001
     from dataclasses import replace
 
     from parallelkit.compat import hf_pp_plan
-    from parallelkit.contract import parallel_plan
+    from parallelkit.contract import declared_plan
     from parallelkit.errors import PlanError
-    from parallelkit.plan import StageModule, drop_layers, pipeline_layer_names, split_stages
+    from parallelkit.parallel import resolve
+    from parallelkit.parallel.pipeline import StageModule, drop_layers
 
     if not hf_pp_plan(model.model):
         return "no pipeline plan declared"
-    refusal = parallel_plan(model).pipeline_refusal
+    refusal = declared_plan(model).pipeline_refusal
     if refusal and "family sweep" not in refusal:  # refused for what the model declares, before any check
         return "its pipeline plan names a module it lacks" if "does not have" in refusal else refusal
-    contract = replace(parallel_plan(model), pipeline_refusal="")  # the allowlist is what this check decides
+    contract = replace(declared_plan(model), pipeline_refusal="")  # the allowlist is what this check decides
     try:
-        layers = pipeline_layer_names(model, contract)
+        resolved = resolve(model, num_stages=2, plan=contract)
     except PlanError as err:
         return "parameters outside its pipeline plan" if "outside pipeline_layers" in str(err) else _one_line(err)
+    layers = resolved.pipeline_layers
     stages = []
-    for held in split_stages(model, layers, 2):
+    for held in resolved.stages:
         stage = copy.deepcopy(model)
         drop_layers(stage, [name for name in layers if name not in held])
-        stages.append(StageModule(stage, held, contract=replace(parallel_plan(stage), pipeline_refusal="")))
+        stages.append(StageModule(stage, held, replace(declared_plan(stage), pipeline_refusal="")))
     try:
         with torch.no_grad():
             torch.testing.assert_close(stages[1](*stages[0](tokens)), model(tokens), rtol=TOLERANCE, atol=TOLERANCE)

@@ -9,7 +9,7 @@ from test_plugins import install_fake_distribution
 
 from parallelkit.comm.int8 import Int8ReduceScatter
 from parallelkit.models import GPT
-from parallelkit.plan import fsdp_units
+from parallelkit.parallel import resolve
 
 FSDP4 = [
     '--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]',
@@ -80,7 +80,7 @@ def test_each_unit_is_gathered_once_in_forward_and_again_in_backward_only_if_res
     forward runs the whole training step, once: a step calling `self(x)` inside it must not reshard it at its end
     (which gathered the root, 131 KB here, a second time)."""
     model = reference_model()
-    blocks = [sum(p.numel() for p in unit.parameters()) for _, unit in fsdp_units(model)]
+    blocks = [sum(p.numel() for p in model.get_submodule(unit).parameters()) for unit in resolve(model).fsdp_units]
     root = sum(p.numel() for p in model.parameters()) - sum(blocks)
     fsdp = 4 * (root + sum(blocks) + sum(blocks[:-1]))
     gathered = step_losses(runs["fp32_20"], "comm/all_gather_bytes")
@@ -145,7 +145,7 @@ def test_hsdp_replicate_all_reduce_is_in_the_hooks_dtype_and_stays_fp32_under_in
     reduce-scatter only (all-to-all over fsdp: 1 byte per element + one fp32 scale per rank per buffer), and its
     replicate all-reduce stays fp32. Each step also all-reduces the logged train_loss (4 bytes)."""
     params = sum(p.numel() for p in reference_model().parameters())
-    groups = len(fsdp_units(reference_model())) + 1  # one buffer per FSDP module: the blocks and the root
+    groups = len(resolve(reference_model()).fsdp_units) + 1  # one buffer per FSDP module: the blocks and the root
     shard = params // 2
     for name in ("bf16_hsdp_20", "int8_hsdp_3"):
         assert set(step_losses(runs[name], "comm/all_reduce_count").values()) == {groups + 1.0}
@@ -173,7 +173,7 @@ def test_accumulation_reduces_gradients_once_per_fsdp_module_per_optimizer_step(
         )
     )
     counts = step_losses(tmp_path, "comm/reduce_scatter_count")
-    modules = len(fsdp_units(reference_model())) + 1  # the blocks and the root
+    modules = len(resolve(reference_model()).fsdp_units) + 1  # the blocks and the root
     assert len(counts) == 5 and set(counts.values()) == {float(modules)}
 
 

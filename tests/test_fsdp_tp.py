@@ -23,7 +23,7 @@ from conftest import (
 
 from parallelkit.callbacks.activations import SavedTensorWindow
 from parallelkit.models import GPT
-from parallelkit.plan import apply_activation_checkpointing
+from parallelkit.parallel.activation_checkpoint import apply_activation_checkpointing
 
 STEPS = 20
 
@@ -417,7 +417,7 @@ def test_a_compiled_block_that_is_checkpointed_recomputes_its_forward_in_backwar
     Gradients are the eager block's either way."""
     from parallelkit.compat import dispatch_mode_class
     from parallelkit.models.gpt import Block
-    from parallelkit.plan import apply_compile
+    from parallelkit.parallel.compile import apply_compile
 
     class CountMatmuls(dispatch_mode_class()):
         supports_higher_order_operators = True  # the recompute replays random ops under run_with_rng_state

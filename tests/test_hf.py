@@ -10,12 +10,12 @@ import yaml
 from conftest import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses
 from models import TINY_LLAMA
 
-from parallelkit.contract import parallel_plan
+from parallelkit.contract import declared_plan
 from parallelkit.errors import PlanError
 from parallelkit.init import materialize, meta_parameters
 from parallelkit.models import HFCausalLM
-from parallelkit.plan import pipeline_layer_names, tensor_parallel_plan
-from parallelkit.planner import Hardware, Workload, plan, profile
+from parallelkit.parallel import resolve
+from parallelkit.planner import Hardware, Workload, profile, recommend
 
 LLAMA = "hf_llama.yaml"
 """A Llama with grouped-query attention (4 heads, 2 key/value heads), untied, on FSDP2 x tp [[2, 2]], meta_init."""
@@ -139,7 +139,7 @@ def test_meta_init_gives_the_eager_weights_and_keeps_tied_embeddings_tied():
 
 
 def test_plan_reads_the_models_own_tp_and_pipeline_plans():
-    contract = parallel_plan(build(QWEN3, on_meta=True))
+    contract = declared_plan(build(QWEN3, on_meta=True))
     layers = "model.model.layers.*"
     assert contract.tp[f"{layers}.self_attn.q_proj"] == "colwise"
     assert contract.tp[f"{layers}.self_attn.o_proj"] == "rowwise"
@@ -158,9 +158,9 @@ def test_plan_reads_the_models_own_tp_and_pipeline_plans():
 
 def test_pipeline_refuses_tied_embeddings_and_families_without_a_pipeline_plan_with_the_fix():
     with pytest.raises(PlanError, match="tied weights cannot be split.*tie_word_embeddings: false"):
-        pipeline_layer_names(build(QWEN3, on_meta=True))
+        resolve(build(QWEN3, on_meta=True), num_stages=2)
     with pytest.raises(PlanError, match="no pipeline plan for gpt2 .*Fix: train it with fsdp_tp"):
-        pipeline_layer_names(build(GPT2, on_meta=True))
+        resolve(build(GPT2, on_meta=True), num_stages=2)
 
 
 def test_gpt2_declares_no_plans_its_layers_are_found_and_its_logits_are_transformers_own():
@@ -168,10 +168,10 @@ def test_gpt2_declares_no_plans_its_layers_are_found_and_its_logits_are_transfor
     tokens = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         assert torch.equal(model(tokens), model.model(input_ids=tokens).logits)
-    contract = parallel_plan(model)
+    contract = declared_plan(model)
     assert contract.fsdp_units == ["model.transformer.h.*"]
     with pytest.raises(PlanError, match=r"transformers declares no tensor-parallel plan for gpt2 .* Fix: train it wi"):
-        tensor_parallel_plan(model, 2, contract=contract)
+        resolve(model, tp=2, plan=contract)
 
 
 POST_PROCESSED = {
@@ -198,10 +198,10 @@ def test_a_family_that_scales_its_logits_exports_a_model_with_parallelkits_logit
 def test_an_hf_style_parallelkit_does_not_translate_is_refused_by_name_under_tp_only():
     mixtral = {**QWEN3, "model_type": "mixtral", "tie_word_embeddings": False, "num_local_experts": 2}
     model = build(mixtral, on_meta=True)
-    contract = parallel_plan(model)  # fsdp alone needs no tp plan: the model still trains without a tp axis
+    contract = declared_plan(model)  # fsdp alone needs no tp plan: the model still trains without a tp axis
     assert contract.fsdp_units == ["model.model.layers.*"]
     with pytest.raises(PlanError, match=r"the style 'packed_colwise', which parallelkit does not translate; it trans"):
-        tensor_parallel_plan(model, 2, contract=contract)
+        resolve(model, tp=2, plan=contract)
 
 
 def test_plan_fits_a_llama_3_8b_config_on_8_devices_and_counts_its_parameters(tmp_path):
@@ -216,7 +216,7 @@ def test_plan_fits_a_llama_3_8b_config_on_8_devices_and_counts_its_parameters(tm
         model = HFCausalLM(**yaml.safe_load(config.read_text())["model"]["init_args"])
     prof = profile(model, seq_len=8)
     assert prof.params == model.model.num_parameters() == 8_030_261_248
-    _, best, _ = plan(model, Workload(seq_len=8192, micro_batch=1, compute_bytes=2), Hardware(1, 8, 80e9))
+    _, best, _ = recommend(model, Workload(seq_len=8192, micro_batch=1, compute_bytes=2), Hardware(1, 8, 80e9))
     assert best is not None and best.mesh == report["recommended"]["mesh"]
 
 
@@ -224,4 +224,4 @@ def test_a_family_whose_tp_split_differs_from_one_process_is_refused_by_name():
     apertus = {"model_type": "apertus", **TINY_LLAMA}  # its activation's learnable scalars lie outside the tp plan
     model = build(apertus, on_meta=True)
     with pytest.raises(PlanError, match=r"split tp=2 on two processes, apertus does not compute one process's loss"):
-        tensor_parallel_plan(model, 2, contract=parallel_plan(model))
+        resolve(model, tp=2)

@@ -108,11 +108,12 @@ def test_a_pipeline_rank_left_without_adapters_is_refused_with_the_fix():
 
     from parallelkit import PipelineStrategy
     from parallelkit.errors import PlanError
-    from parallelkit.plan import pipeline_layer_names, split_stages
+    from parallelkit.parallel import resolve
+    from parallelkit.parallel.pipeline import split_stages
 
     with meta_parameters():
         model = HFCausalLM({"model_type": "llama", **TINY_LLAMA}, lora=LORA)
-    layers = pipeline_layer_names(model)
+    layers = resolve(model).pipeline_layers
     for schedule, split, refused in (("zbv", None, True), ("zbv", [2, 3, 4], False), ("1f1b", None, False)):
         strategy = PipelineStrategy(mesh_shape=[[2], ["pp"]], schedule=schedule)
         L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)

@@ -8,7 +8,10 @@ from conftest import REPO, assert_ok, torchrun
 from parallelkit.errors import PlanError
 from parallelkit.models import GPT
 from parallelkit.models.gpt import rotary
-from parallelkit.plan import fsdp_units, matches, pipeline_layer_names, runnable_unit, tensor_parallel_plan
+from parallelkit.contract import matches
+from parallelkit.parallel import resolve
+from parallelkit.parallel.fsdp import runnable_unit
+from parallelkit.parallel.tensor_parallel import tp_styles
 
 
 def test_gpt_forward_shapes_and_loss_near_uniform_at_init():
@@ -64,10 +67,10 @@ def test_glob_segments_never_cross_dots():
 
 def test_tp_plan_expands_globs_per_block():
     model = GPT(n_layer=3, n_head=4, n_embd=32)
-    plan = tensor_parallel_plan(model, 2, sequence_parallel=True)
+    plan = tp_styles(model, resolve(model, tp=2, sequence_parallel=True))
     assert "blocks.2.attn.q" in plan and "blocks.0.mlp.down" in plan and "head" in plan
     assert "blocks.1.attn_norm" in plan
-    assert "blocks.1.attn_norm" not in tensor_parallel_plan(model, 2, sequence_parallel=False)
+    assert "blocks.1.attn_norm" not in tp_styles(model, resolve(model, tp=2, sequence_parallel=False))
 
 
 def test_tp_not_dividing_heads_names_module_and_numbers():
@@ -75,48 +78,48 @@ def test_tp_not_dividing_heads_names_module_and_numbers():
     with pytest.raises(
         PlanError, match=r"GPT has 6 attention heads \(blocks\.0\.attn\), which tp=4.*mesh_shape \[\[-1, 2\]"
     ):
-        tensor_parallel_plan(model, 4)
+        resolve(model, tp=4)
 
 
 def test_tp_not_dividing_width_names_module_and_numbers():
     model = GPT(vocab_size=255, n_layer=1, n_head=2, n_embd=32)
     with pytest.raises(PlanError, match=r"tok_emb \(vocab_embedding\) has num_embeddings=255.*tp=2"):
-        tensor_parallel_plan(model, 2)
+        resolve(model, tp=2)
 
 
 def test_missing_tp_plan_explains_what_to_declare():
     model = copy.deepcopy(GPT(n_layer=1, n_head=2, n_embd=16))
     model.tp_plan = None
     with pytest.raises(PlanError, match="needs GPT.tp_plan"):
-        tensor_parallel_plan(model, 2)
+        resolve(model, tp=2)
 
 
 def test_tp_plan_pattern_matching_nothing_is_an_error():
     model = GPT(n_layer=1, n_head=2, n_embd=16)
     model.tp_plan = {"blocks.*.attn.qkv": "colwise"}
     with pytest.raises(PlanError, match="'blocks.\\*.attn.qkv' matches no module"):
-        tensor_parallel_plan(model, 2)
+        resolve(model, tp=2)
 
 
 def test_fsdp_units_declared_and_default_largest_module_list():
     model = GPT(n_layer=3, n_head=2, n_embd=16)
-    assert [f for f, _ in fsdp_units(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert resolve(model).fsdp_units == ["blocks.0", "blocks.1", "blocks.2"]
     model.fsdp_units = None
-    assert [f for f, _ in fsdp_units(model)] == ["blocks.0", "blocks.1", "blocks.2"]
+    assert resolve(model).fsdp_units == ["blocks.0", "blocks.1", "blocks.2"]
 
 
 def test_a_unit_without_forward_is_sharded_as_its_children_or_refused_naming_it():
     block = torch.nn.ModuleDict({"attn": torch.nn.Linear(2, 2), "mlp": torch.nn.Linear(2, 2)})
     model = torch.nn.Module()
     model.layers = torch.nn.ModuleList([block, torch.nn.ModuleDict({"parts": torch.nn.ModuleList([block])})])
-    assert runnable_unit(model, "layers.0", model.layers[0]) == [block["attn"], block["mlp"]]
+    assert runnable_unit(type(model).__name__, "layers.0", model.layers[0]) == [block["attn"], block["mlp"]]
     with pytest.raises(
         PlanError, match=r"layers\.1 \(ModuleDict\) has no forward\(\).*child layers\.1\.parts.*'layers\.1\.parts\.\*'"
     ):
-        runnable_unit(model, "layers.1", model.layers[1])
+        runnable_unit(type(model).__name__, "layers.1", model.layers[1])
     model.pipeline_layers = ["layers.*"]
     with pytest.raises(PlanError, match=r"pipeline_layers entry layers\.0 \(ModuleDict\) has no forward\(\)"):
-        pipeline_layer_names(model)
+        resolve(model, num_stages=2)
 
 
 def test_tp_planned_gpt_matches_plain_gpt_outputs_and_grads_on_4_processes():

@@ -10,7 +10,8 @@ from torch import nn
 from parallelkit import PipelineStrategy
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.models import GPT
-from parallelkit.plan import StageModule, pipeline_layer_names, split_stages
+from parallelkit.parallel import resolve
+from parallelkit.parallel.pipeline import StageModule, split_stages
 
 STEPS = 20
 
@@ -129,7 +130,7 @@ def test_accumulation_reduces_each_stages_gradients_once_per_optimizer_step(tmp_
         )
     )
     model = GPT(n_layer=2, n_head=4, n_embd=64)  # the config's model
-    stages = split_stages(model, pipeline_layer_names(model), 4)
+    stages = resolve(model, num_stages=4).stages
     # Rank 0 holds the V's ends, stages 0 and 3: two FSDP roots and no block (a unit of its own), one reduce-scatter
     # each, of its unsharded fp32 gradients.
     assert (stages[0], stages[3]) == (["tok_emb"], ["norm", "head"])
@@ -209,13 +210,13 @@ def test_bad_pipeline_setup_fails_with_a_clear_error(tmp_path, corpus, extra, me
 
 def test_stages_are_balanced_by_parameters_and_keep_names():
     model = GPT(n_layer=4, n_head=2, n_embd=16)
-    layers = pipeline_layer_names(model)
+    layers = resolve(model).pipeline_layers
     assert layers == ["tok_emb", "blocks.0", "blocks.1", "blocks.2", "blocks.3", "norm", "head"]
     stages = split_stages(model, layers, 2)
     # 4096 (embedding) + 2 x 3104 (blocks) = 10304 against 2 x 3104 + 16 + 4096 (head) = 10320
     assert stages == [["tok_emb", "blocks.0", "blocks.1"], ["blocks.2", "blocks.3", "norm", "head"]]
     assert split_stages(model, layers, 2, split_points=["blocks.3"])[1][0] == "blocks.3"
-    stage = StageModule(model, stages[1])
+    stage = StageModule(model, stages[1], resolve(model).plan)
     kept = ("blocks.2.", "blocks.3.", "norm.", "head.")
     assert set(stage.state_dict()) == {k for k in model.state_dict() if k.startswith(kept)}
     x = torch.randn(2, 5, 16)
@@ -224,7 +225,7 @@ def test_stages_are_balanced_by_parameters_and_keep_names():
 
 def test_split_errors_name_the_numbers():
     model = GPT(n_layer=1, n_head=2, n_embd=16)
-    layers = pipeline_layer_names(model)
+    layers = resolve(model).pipeline_layers
     with pytest.raises(PlanError, match="5 pipeline stages need at least 5 pipeline layers.*has 4"):
         split_stages(model, layers, 5)
     with pytest.raises(PlanError, match="split_points=\\[3, 1\\]"):
@@ -235,14 +236,14 @@ def test_tied_weights_across_pipeline_layers_are_refused():
     model = GPT(n_layer=1, n_head=2, n_embd=16)
     model.head.weight = model.tok_emb.weight
     with pytest.raises(PlanError, match="head.weight is the same tensor as tok_emb.weight"):
-        pipeline_layer_names(model)
+        resolve(model, num_stages=2)
 
 
 def test_parameters_outside_pipeline_layers_are_refused():
     model = GPT(n_layer=1, n_head=2, n_embd=16)
     model.extra = nn.Linear(2, 2)
     with pytest.raises(PlanError, match="parameters outside pipeline_layers: extra.weight"):
-        pipeline_layer_names(model)
+        resolve(model, num_stages=2)
 
 
 @pytest.mark.parametrize(

@@ -13,8 +13,8 @@ from parallelkit.cli import PLAN_COLUMNS, PLAN_TABLE_OMITS
 from parallelkit.mesh import MeshSpec
 from parallelkit.models import GPT
 from parallelkit.models.gpt import Block
-from parallelkit.plan import split_stages
-from parallelkit.planner import Estimate, Hardware, Workload, estimate, plan, profile
+from parallelkit.parallel.pipeline import split_stages
+from parallelkit.planner import Estimate, Hardware, Workload, estimate, profile, recommend
 
 GPT70B = {"vocab_size": 32000, "n_layer": 80, "n_head": 64, "n_embd": 8192}
 
@@ -108,7 +108,7 @@ def test_70b_on_four_nodes_of_eight_80gb_devices_recommends_a_layout_that_fits()
     assert params == 80 * (12 * d * d + 2 * d) + 2 * v * d + d
     norms = 80 * 2 * d + d  # tp replicates norms and shards every matrix
     work, hw = Workload(seq_len=4096, micro_batch=8, compute_bytes=2), Hardware(4, 8, 80e9)
-    estimates, best, reason = plan(model, work, hw)
+    estimates, best, reason = recommend(model, work, hw)
     assert best is not None and best.fits and best.peak <= 80e9 and "fits in" in reason
     by_mesh = {(e.mesh, e.schedule): e for e in estimates}
     for fsdp, tp in ((32, 1), (4, 8)):

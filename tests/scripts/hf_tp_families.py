@@ -18,9 +18,10 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import hf_families  # noqa: E402
 
-from parallelkit.contract import parallel_plan, shards_the_sequence  # noqa: E402
+from parallelkit.contract import declared_plan  # noqa: E402
 from parallelkit.models import HFCausalLM  # noqa: E402
-from parallelkit.plan import apply_tensor_parallel  # noqa: E402
+from parallelkit.parallel import resolve  # noqa: E402
+from parallelkit.parallel.tensor_parallel import apply_tensor_parallel  # noqa: E402
 
 TOLERANCE = 1e-5
 
@@ -29,8 +30,8 @@ def check(family: str, mesh) -> str:  # noqa: ANN001
     torch.manual_seed(0)
     plain = HFCausalLM(hf_families.tiny_config(family))
     split = copy.deepcopy(plain)
-    contract = replace(parallel_plan(split), tp_refusal="")  # whether it may be split is what this decides
-    apply_tensor_parallel(split, mesh, sequence_parallel=shards_the_sequence(contract), contract=contract)
+    contract = replace(declared_plan(split), tp_refusal="")  # whether it may be split is what this decides
+    apply_tensor_parallel(split, mesh, resolve(split, tp=mesh.size(), plan=contract))
     torch.manual_seed(1)  # the same batch on every tp rank, as the sampler hands it
     tokens = torch.randint(0, 256, (2, hf_families.SEQ + 1))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()

@@ -10,7 +10,8 @@ from torch.distributed.tensor.parallel import loss_parallel
 
 from parallelkit.mesh import MeshSpec, data_parallel_mesh
 from parallelkit.models import GPT
-from parallelkit.plan import apply_tensor_parallel
+from parallelkit.parallel import resolve
+from parallelkit.parallel.tensor_parallel import apply_tensor_parallel
 
 
 def check_mesh(rank: int) -> torch.distributed.device_mesh.DeviceMesh:
@@ -28,7 +29,8 @@ def check_tp(tp_mesh, *, sequence_parallel: bool, loss_parallel_on: bool) -> flo
     torch.manual_seed(0)
     plain = GPT(n_layer=2, n_head=4, n_embd=32)
     planned = copy.deepcopy(plain)
-    apply_tensor_parallel(planned, tp_mesh, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel_on)
+    resolved = resolve(planned, tp=tp_mesh.size(), sequence_parallel=sequence_parallel, loss_parallel=loss_parallel_on)
+    apply_tensor_parallel(planned, tp_mesh, resolved)
     torch.manual_seed(1)  # same batch on every tp rank, as the sampler guarantees
     x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
 
