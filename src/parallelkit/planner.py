@@ -204,12 +204,12 @@ def profile(
     from parallelkit.callbacks.activations import _SavedTensorLedger
 
     resolved = resolve(model)
-    contract = resolved.plan
+    plan = resolved.plan
     names = list(resolved.pipeline_layers)  # none when not pipelinable (e.g. tied embeddings): no pipeline layout
     units = set(resolved.fsdp_units)
     sharded: set[int] = set()
     tp_modules: list[tuple[nn.Module, str]] = []
-    styles = expand_tp(model, contract) if contract.tp else {}
+    styles = expand_tp(model, plan) if plan.tp else {}
     gathering = gathered_inside(styles)
     for fqn, style in styles.items():
         module = model.get_submodule(fqn)
@@ -259,8 +259,8 @@ def profile(
         with torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack), _MetaForward():
             output = model(tokens)
             before_loss = ledger.live
-            if contract.loss is not None:
-                contract.loss(output, tokens)
+            if plan.loss is not None:
+                plan.loss(output, tokens)
     finally:
         for handle in handles:
             handle.remove()
@@ -290,13 +290,13 @@ def profile(
     for tp in tp_degrees:
         try:
             if tp > 1:
-                resolve(model, tp=tp, plan=contract)
+                resolve(model, tp=tp, plan=plan)
             valid[tp] = ""
         except PlanError as err:
             valid[tp] = str(err)
-    flops = contract.flops_per_token
+    flops = plan.flops_per_token
     flops_per_token = flops(seq_len) if flops is not None else 6.0 * sum(layer.params for layer in layers)
-    return ModelProfile(contract.description, layers, loss_activations, flops_per_token, valid)
+    return ModelProfile(plan.description, layers, loss_activations, flops_per_token, valid)
 
 
 def _in_flight(schedule: str | None, pp: int, stage: int, microbatches: int, virtual: int) -> float:

@@ -92,12 +92,12 @@ class StageModule(nn.Module):
     so state dicts, and so checkpoints, are the same whatever the layout. Run as the plan's `stage_forward` says
     (by default, each layer on the previous one's output)."""
 
-    def __init__(self, model: nn.Module, layers: Sequence[str], contract: ParallelPlan) -> None:
+    def __init__(self, model: nn.Module, layers: Sequence[str], plan: ParallelPlan) -> None:
         super().__init__()
-        for name in [*layers, *contract.stage_modules]:
-            if name in contract.stage_modules and any(True for _ in model.get_submodule(name).parameters()):
+        for name in [*layers, *plan.stage_modules]:
+            if name in plan.stage_modules and any(True for _ in model.get_submodule(name).parameters()):
                 raise PlanError(
-                    f"{contract.description}: stage module {name} holds parameters; every pipeline stage gets it, "
+                    f"{plan.description}: stage module {name} holds parameters; every pipeline stage gets it, "
                     "so it must hold buffers only (list it in pipeline_layers instead)."
                 )
             *parents, leaf = name.split(".")
@@ -109,7 +109,7 @@ class StageModule(nn.Module):
             owner.add_module(leaf, model.get_submodule(name))
         self.layer_names = list(layers)
         self._layers = [(name, self.get_submodule(name)) for name in layers]  # a plain list: not registered twice
-        self._forward = contract.stage_forward
+        self._forward = plan.stage_forward
 
     def forward(self, *args: Any) -> Any:
         if self._forward is not None:
