@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
+from parallelkit.errors import PlanError
 from parallelkit.mesh import data_parallel_mesh
 from parallelkit.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_modules
 from parallelkit.parallel.compile import apply_compile
@@ -50,8 +51,9 @@ def parallelize(
     for the gradient reduction.
     """
     if resolved is None:
-        tp = mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1
-        resolved = resolve(model, tp=tp, num_stages=None if stages is None else max(stages) + 1)
+        if stages is not None:
+            raise PlanError("parallelize(stages=...) needs the plan resolved with its stages: resolve(num_stages=...).")
+        resolved = resolve(model, tp=mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1)
     name = type(model).__name__
     roots = [model] if stages is None else split_model(model, resolved, stages)
     names = mesh.mesh_dim_names or ()
