@@ -123,8 +123,8 @@ def check_family(model_type: str) -> Row:
     """One family: logits and loss against transformers' own forward (same weights), whether its tp plan
     translates, and whether two pipeline stages, each holding only its layers, compute the model's own logits."""
     from parallelkit.errors import ConfigError, PlanError
-    from parallelkit.parallel import resolve
     from parallelkit.models import HFCausalLM
+    from parallelkit.parallel import resolve
 
     row = Row(model_type)
     try:

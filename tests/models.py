@@ -408,9 +408,22 @@ class GPTGatheringPerProjection(GPT):
 
 
 class CompiledGraphs(L.Callback):
-    """Logs `compiled_graphs`: how many graphs torch.compile has built in this process so far (0: nothing compiled)."""
+    """Logs `compiled_graphs`: how many graphs torch.compile has built in this process so far (0: nothing compiled);
+    and `optimizer_graphs`: how many of them this step's `optimizer.step` built after its closure (forward, backward,
+    clipping: the blocks' graphs) had run, i.e. the compiled update's (0 when the update runs eager)."""
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.after_closure = None
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        from torch._dynamo.utils import counters
+
+        self.after_closure = counters["stats"]["unique_graphs"]
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         from torch._dynamo.utils import counters
 
-        pl_module.log("compiled_graphs", float(counters["stats"]["unique_graphs"]), on_step=True, rank_zero_only=True)
+        graphs = counters["stats"]["unique_graphs"]
+        after_closure = graphs if self.after_closure is None else self.after_closure
+        pl_module.log("compiled_graphs", float(graphs), on_step=True, rank_zero_only=True)
+        pl_module.log("optimizer_graphs", float(graphs - after_closure), on_step=True, rank_zero_only=True)

@@ -492,6 +492,53 @@ def test_sigterm_under_ddp_comm_saves_last_exits_cleanly_and_the_relaunch_loses_
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
 
 
+TP2 = ["--trainer.devices=2", '--trainer.strategy.mesh_shape=[[1, 2], ["fsdp", "tp"]]', "--data.init_args.batch_size=8"]
+"""hybrid.yaml on [[1, 2]]: 2 processes sharing one batch of 8 (the global batch)."""
+
+
+@pytest.mark.parametrize(
+    ("config", "layout"),
+    [
+        ("1f1b.yaml", []),  # 1F1B, pp=2: each rank holds one stage, so last.ckpt needs both ranks' shards
+        ("hybrid.yaml", TP2),  # a tp axis: every parameter split over both ranks
+    ],
+    ids=["1f1b_pp2", "tp2"],
+)
+def test_sigterm_to_one_rank_of_a_pipeline_or_tp_job_saves_last_and_the_relaunch_loses_nothing(
+    tmp_path, corpus, baseline, config, layout
+):
+    """Every strategy is preempted alike (the README's claim): a 1F1B pp=2 job and a [[1, 2]] fsdp x tp job, SIGTERM
+    to rank 1 only (the launcher is rank 0): the ranks agree on the step, save a complete sharded last.ckpt (its
+    metadata, one shard file per rank, nothing left staged), exit 0, and the relaunch continues with one process's
+    losses (the session's plain baseline, which both layouts match), a few steps being enough to tell."""
+    ckpt = tmp_path / "ckpt"
+    with training_in_background(
+        tmp_path,
+        corpus,
+        tmp_path / "first",
+        *layout,
+        checkpoint_every(ckpt, 2),
+        until=ckpt / "epoch=0-step=2.ckpt",
+        config=config,
+    ) as job:
+        (rank1,) = [int(pid) for pid in job.session() if int(pid) != job.pid]  # the launcher is rank 0
+        os.kill(rank1, signal.SIGTERM)
+        job.job.wait(timeout=120)
+    assert job.job.returncode == 0, job.stderr()[-3000:]
+    last = ckpt / "last.ckpt"
+    assert (last / "meta.pt").is_file() and (last / ".metadata").is_file(), sorted(p.name for p in last.iterdir())
+    assert len(list(last.glob("*.distcp"))) == 2 and not list(ckpt.glob("*.partial"))
+    stopped_at = max(step_losses(tmp_path / "first"))
+    assert stopped_at < STEPS - 3
+    stop = callback("models.StopAfter", step=stopped_at + 3)
+    resume = [*layout, "--ckpt_path=last", checkpoint_every(ckpt, STEPS), stop]
+    assert_ok(fit(config, tmp_path / "resumed", *common(corpus, tmp_path / "cache"), *resume))
+    resumed = step_losses(tmp_path / "resumed")
+    assert sorted(resumed) == [stopped_at + 1, stopped_at + 2]  # nothing lost, nothing repeated
+    straight = baseline("plain").losses()
+    assert_same_losses({s: straight[s] for s in resumed}, resumed)
+
+
 def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_for_last(tmp_path, corpus, straight_fsdp2):
     """Rank 1 of a sharded [[2, 1]] job is SIGKILLed while the step-8 checkpoint is being written: the job fails,
     the half-written save stays under its staging name, and `--ckpt_path=last` resumes from step 4 exactly as the

@@ -337,8 +337,9 @@ def test_compiled_blocks_match_one_process_and_checkpoints_cross_between_compile
     meta_init) and compile_optimizer=true (AdamW's update over the DTensor shards, its lr new every step), resuming
     the eager reference run's step-10 checkpoint: steps 10-19 equal one process's, and torch.compile did build
     graphs (an ignored flag fails). Its own step-15 checkpoint then resumes eager, giving one process's steps 15 and
-    16: checkpoint names and optimizer states are the eager ones both ways. (20 compiled steps from scratch: 1.4e-7
-    from one process, by hand; two compiled runs cost CI a minute more.)"""
+    16: checkpoint names and optimizer states are the eager ones both ways. The update's own graphs (those
+    `optimizer.step` builds after its closure) are counted apart: none if `setup_optimizers` left the step eager.
+    (20 compiled steps from scratch: 1.4e-7 from one process, by hand; two compiled runs cost CI a minute more.)"""
     compiled, eager = tmp_path / "compiled", tmp_path / "eager"
     run = [*common(corpus, tmp_path / "cache"), callback("models.CompiledGraphs")]
     resume = f"--ckpt_path={reference('hybrid.yaml').checkpoint}"
@@ -349,12 +350,15 @@ def test_compiled_blocks_match_one_process_and_checkpoints_cross_between_compile
     assert sorted(losses) == list(range(10, 20))
     assert_same_losses({step: baselines["plain"][step] for step in losses}, losses)
     assert min(step_losses(compiled, "compiled_graphs").values()) > 0
+    optimizer_graphs = step_losses(compiled, "optimizer_graphs")  # the compiled update's, built in its first step
+    assert optimizer_graphs[10] > 0 and set(optimizer_graphs.values()) - {optimizer_graphs[10]} <= {0.0}
     resume = f"--ckpt_path={compiled / 'ckpt' / 'epoch=0-step=15.ckpt'}"
     assert_ok(fit("hybrid.yaml", eager, *run, resume, callback("models.StopAfter", step=17)))
     losses = step_losses(eager)
     assert sorted(losses) == [15, 16]
     assert_same_losses({step: baselines["plain"][step] for step in losses}, losses)
     assert set(step_losses(eager, "compiled_graphs").values()) == {0.0}
+    assert set(step_losses(eager, "optimizer_graphs").values()) == {0.0}
 
 
 def test_attention_and_mlp_gather_their_sequence_sharded_input_once_for_all_their_projections(tmp_path, corpus):
@@ -445,8 +449,10 @@ def test_a_compiled_block_that_is_checkpointed_recomputes_its_forward_in_backwar
     plain, plain_grads = run(True, False)
     recomputed, recomputed_grads = run(True, True)
     assert plain == 12 and recomputed > plain, (plain, recomputed)
-    for expected, got in zip(eager, plain_grads + recomputed_grads):
-        torch.testing.assert_close(got, expected)
+    assert len(eager) == len(plain_grads) == len(recomputed_grads) > 0
+    for expected, got_plain, got_recomputed in zip(eager, plain_grads, recomputed_grads, strict=True):
+        torch.testing.assert_close(got_plain, expected)
+        torch.testing.assert_close(got_recomputed, expected)
 
 
 def test_loss_parallel_without_a_tp_axis_is_refused_before_launch():

@@ -5,10 +5,10 @@ import pytest
 import torch
 from conftest import REPO, assert_ok, torchrun
 
+from parallelkit.contract import matches
 from parallelkit.errors import PlanError
 from parallelkit.models import GPT
 from parallelkit.models.gpt import rotary
-from parallelkit.contract import matches
 from parallelkit.parallel import resolve
 from parallelkit.parallel.fsdp import runnable_unit
 from parallelkit.parallel.tensor_parallel import tp_styles

@@ -99,6 +99,34 @@ def test_saved_tensor_ledger_counts_what_one_gpt_block_keeps_for_backward():
     assert by_name["blocks.0"] == by_name["blocks.1"] == by_hand(1)
 
 
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b", "interleaved_1f1b"])
+def test_the_planner_assumes_the_pipeline_strategys_default_microbatches(schedule):
+    """On pp=2, left to its default, the planner estimates the microbatches `PipelineStrategy` runs with no
+    `microbatches` given (2 x the stages: 4, and 8 for interleaved_1f1b's 2 stages per rank), in `estimate` and in
+    `recommend`; and the count matters to the estimate (half as many gives other figures)."""
+    import lightning as L
+
+    from parallelkit import PipelineStrategy
+
+    strategy = PipelineStrategy(mesh_shape=[[2], ["pp"]], schedule=schedule)
+    L.Trainer(strategy=strategy, accelerator="cpu", devices=2, logger=False, enable_checkpointing=False)
+    assert strategy.microbatches == 2 * 2 * (2 if schedule == "interleaved_1f1b" else 1)
+    with torch.device("meta"):
+        model = GPT(n_layer=6, n_head=4, n_embd=64)
+    prof = profile(model, seq_len=64, tp_degrees=(1, 2))
+    by_name = {layer.name: layer for layer in prof.layers}
+    names = split_stages(model, [layer.name for layer in prof.layers], strategy.num_stages)
+    stages = [[by_name[n] for n in stage] for stage in names]
+    spec, work, hw = MeshSpec((2, 1, 1), ("pp", "fsdp", "tp")), Workload(64, 16), Hardware(1, 2, 1e12)
+    strategys = estimate(prof, spec, work, hw, schedule, strategy.microbatches, stages)
+    assert estimate(prof, spec, work, hw, schedule, None, stages) == strategys
+    assert estimate(prof, spec, work, hw, schedule, strategy.microbatches // 2, stages) != strategys
+    if schedule != "gpipe":  # the schedules recommend weighs
+        estimates, _, _ = recommend(model, work, hw)
+        (recommended,) = [e for e in estimates if (e.mesh, e.schedule) == (str(spec), schedule)]
+        assert recommended == strategys
+
+
 def test_70b_on_four_nodes_of_eight_80gb_devices_recommends_a_layout_that_fits():
     with torch.device("meta"):
         model = GPT(**GPT70B)

@@ -44,6 +44,7 @@ from parallelkit.lora import WHOLE_UNDER, LoRALinear
 from parallelkit.mesh import MeshSpec
 from parallelkit.parallel.pipeline import split_stages
 from parallelkit.parallel.resolve import expand_tp, gathered_inside, resolve
+from parallelkit.parallel.schedule import Schedule
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """fp32 states per parameter that each optimizer keeps."""
@@ -329,7 +330,7 @@ def estimate(
     pp, rep, fsdp, tp = (spec.size(a) for a in ("pp", "replicate", "fsdp", "tp"))
     stages = stages or [prof.layers]
     v = len(stages) // pp
-    m = microbatches or (2 * pp if pp > 1 else 1)
+    m = microbatches or (Schedule(schedule or "1f1b", pp, v).microbatches if pp > 1 else 1)  # PipelineStrategy's
     samples = work.micro_batch / (m if pp > 1 else 1)
     cb = work.compute_bytes / 4  # the ledger counted fp32 activations
     states = OPTIMIZER_STATES[work.optimizer]
@@ -431,6 +432,8 @@ def candidates(
                 for schedule in ["1f1b", "interleaved_1f1b"] if pp > 1 else [None]:
                     if schedule == "interleaved_1f1b" and len(prof.layers) < 2 * pp:
                         continue
+                    if pp > 1 and work.micro_batch % min(Schedule(schedule, pp).microbatches, work.micro_batch):
+                        continue  # PipelineStrategy's default microbatches would not split the micro-batch
                     found.append((spec, schedule))
     return found
 
@@ -450,7 +453,7 @@ def recommend(
         if pp > 1:
             names = split_stages(model, [layer.name for layer in prof.layers], pp * v)
             stages = [[by_name[n] for n in stage] for stage in names]
-        m = min(2 * pp, work.micro_batch) if pp > 1 else None
+        m = min(Schedule(schedule, pp, v).microbatches, work.micro_batch) if pp > 1 else None  # PipelineStrategy's
         estimates.append(estimate(prof, spec, work, hw, schedule, m, stages))
     estimates.sort(key=lambda e: (not e.fits, -e.tokens_per_s, e.peak))
     fitting = [e for e in estimates if e.fits]
