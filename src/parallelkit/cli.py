@@ -406,6 +406,7 @@ def plan_command(argv: Sequence[str]) -> int:
     parser.add_argument("--json", action="store_true", help="machine-readable output")
     parser.epilog = "Other options are fit's overrides of the config, e.g. --model.init_args.n_layer=48."
     args, overrides = parser.parse_known_args(argv)
+    read_config(args.config)  # a missing or broken file named as `fit` names it (jsonargparse's errors do not)
     cli = _PlanCLI(args.config, overrides)
     model, name = cli.model, type(cli.model).__name__
     work = workload(
