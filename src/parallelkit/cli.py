@@ -376,8 +376,8 @@ class _PlanCLI(ParallelkitCLI):
         devices, which this machine need not have."""
         with meta_parameters():
             self.config_init = self.parser.instantiate_classes(self.config)
-        self.model = self._get(self.config_init, "model")
-        self.datamodule = self._get(self.config_init, "data")
+        self.model = self.config_init["model"]
+        self.datamodule = self.config_init["data"]
         trainer = self.config_init["trainer"]
         self.precision = str(trainer.get("precision") or "32-true")
         self.accumulate = int(trainer.get("accumulate_grad_batches") or 1)
