@@ -1,166 +1,29 @@
-"""Shared helpers: multi-process runs go through a subprocess (the CLI or torchrun), never this process."""
+"""pytest's hooks and the session fixtures; the helpers they and the tests use are in support.py."""
 
 from __future__ import annotations
 
-import csv
+import ast
 import hashlib
+import inspect
 import json
 import os
-import random
-import shutil
-import socket
-import subprocess
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-
-REPO = Path(__file__).resolve().parents[1]
-TESTS = Path(__file__).resolve().parent
-SCRIPTS = TESTS / "scripts"
-
-
-def free_port() -> int:
-    """A port nothing listens on, for a launcher that must be told one (prefer letting the launcher pick: port 0).
-
-    Chosen at random below the kernel's ephemeral range (/proc/sys/net/ipv4/ip_local_port_range, 32768-60999 by
-    default), which the kernel never hands out by itself: a port bound and released at 0 comes from that range and
-    can be taken by any process's next outgoing connection (gloo opens many) before the launcher binds it again.
-    """
-    try:
-        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        low = 32768
-    rng = random.SystemRandom()  # not `random`: a test's seed_everything would give every session the same ports
-    for _ in range(100):
-        port = rng.randrange(10_000, max(low, 10_001))
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-            return port
-    raise RuntimeError("no free port found below the ephemeral range")
-
-
-def subprocess_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
-    env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore::DeprecationWarning", WANDB_MODE="offline")
-    # Lightning's launcher would pick a port in the ephemeral range (see free_port), where another test's gloo
-    # connections may take it first: tests run two at a time (pytest-xdist).
-    env["MASTER_PORT"] = str(free_port())
-    # tests/ on the path so configs can name test-only classes (tests/models.py) by class_path.
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(TESTS), env.get("PYTHONPATH", "")) if p)
-    if "PYTHONPATH" in extra:
-        extra["PYTHONPATH"] = os.pathsep.join((extra["PYTHONPATH"], env["PYTHONPATH"]))
-    env.update(extra)
-    return env
-
-
-def run(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    """Run a command to completion, capturing output; the caller asserts on returncode and text."""
-    return subprocess.run(args, cwd=cwd, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
-
-
-def parallelkit(*args: str, cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    return run([sys.executable, "-m", "parallelkit.cli", *args], cwd, timeout, **env)
-
-
-def torchrun(script: str, nproc: int, *args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--standalone",  # c10d rendezvous on a port the launcher binds itself (localhost:0): none to collide with
-        str(SCRIPTS / script),
-        *args,
-    ]
-    return run(cmd, cwd, timeout)
-
-
-def step_losses(save_dir: Path, key: str = "train_loss") -> dict[int, float]:
-    """Per-step values of `key` from the CSVLogger files under `save_dir`."""
-    files = sorted(save_dir.rglob("metrics.csv"))
-    assert files, f"no metrics.csv under {save_dir}"
-    with open(files[-1]) as f:
-        return {int(row["step"]): float(row[key]) for row in csv.DictReader(f) if row.get(key)}
-
-
-def assert_ok(proc: subprocess.CompletedProcess) -> None:
-    assert proc.returncode == 0, (
-        f"exit {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}\n--- stderr\n{proc.stderr[-6000:]}"
-    )
-
-
-def fit(config: str, save_dir: Path, *overrides: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    """`parallelkit fit --config configs/<config>` logging CSV under `save_dir`, quietly."""
-    save_dir.mkdir(parents=True, exist_ok=True)
-    return parallelkit(
-        "fit",
-        "--config",
-        str(REPO / "configs" / config),
-        f"--trainer.logger.init_args.save_dir={save_dir}",
-        "--trainer.enable_progress_bar=false",
-        "--trainer.enable_model_summary=false",
-        *overrides,
-        cwd=save_dir,
-        timeout=timeout,
-        **env,
-    )
-
-
-def common(corpus: Path, cache: Path, steps: int = 20) -> list[str]:
-    """CLI overrides every parity run shares: a step budget, no validation, the test corpus and its cache."""
-    return [
-        f"--trainer.max_steps={steps}",
-        "--trainer.limit_val_batches=0",
-        f"--data.init_args.paths={corpus}",
-        f"--data.init_args.cache_dir={cache}",
-    ]
-
-
-def checkpoint_every(dirpath: Path, steps: int, last: bool = False) -> str:
-    """A ModelCheckpoint callback, as a CLI override, saving every `steps` steps (all of them kept)."""
-    return (
-        '--trainer.callbacks+={"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": '
-        f'{{"dirpath": "{dirpath}", "every_n_train_steps": {steps}, "save_top_k": -1, '
-        f'"save_last": {str(last).lower()}}}}}'
-    )
-
-
-def callback(class_path: str, **init_args: object) -> str:
-    """A callback added to the configured ones, as a CLI override: `callback("models.StopAfter", step=10)`."""
-    return "--trainer.callbacks+=" + json.dumps({"class_path": class_path, "init_args": init_args})
-
-
-def assert_same_losses(expected: dict[int, float], actual: dict[int, float], rtol: float = 1e-5) -> None:
-    assert sorted(expected) == sorted(actual), (sorted(expected), sorted(actual))
-    for step, value in expected.items():
-        assert abs(actual[step] - value) <= rtol * abs(value), f"step {step}: {value} vs {actual[step]}"
-
-
-def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callable[[Path], object]) -> Path:
-    """The directory `name`, filled by `make(directory)` in the first of the session's pytest processes that asks for
-    it: pytest-xdist's workers share one temporary root, and a run one worker made (a baseline, a shared launch) is
-    read by the others instead of being made again. A `make` that fails leaves nothing for the next to read."""
-    from filelock import FileLock
-
-    base = tmp_path_factory.getbasetemp()
-    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    directory, done = root / "shared" / name, root / "shared" / f"{name}.done"
-    directory.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(f"{directory}.lock"):
-        if not done.exists():
-            if directory.exists():
-                shutil.rmtree(directory)
-            directory.mkdir()
-            make(directory)
-            done.touch()
-    return directory
-
+from support import (
+    CORPUS_CHARS,
+    FSDP4,
+    SINGLE_PROCESS,
+    Reference,
+    assert_ok,
+    callback,
+    checkpoint_every,
+    common,
+    fit,
+    made_once,
+)
 
 SERIAL_FILES = ("test_plugins.py", "test_output.py", "test_diloco.py", "test_template.py")
 """Test files that uninstall and reinstall a plugin in this environment, or read the installed plugins or every
@@ -182,9 +45,6 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     return ByFile(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
-CORPUS_CHARS = 400_000
-
-
 @pytest.fixture(scope="session")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small deterministic text corpus: the first 400 KB of the standard library sources the default data reads.
@@ -200,26 +60,6 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
         (directory / "corpus.txt").write_text(text[:CORPUS_CHARS])
 
     return made_once(tmp_path_factory, "corpus", make) / "corpus.txt"
-
-
-SINGLE_PROCESS = {
-    "plain": (),
-    "accumulate": ("--trainer.accumulate_grad_batches=2",),
-    "clip": ("--trainer.gradient_clip_val=0.05",),
-    "val": ("--trainer.val_check_interval=10", "--trainer.limit_val_batches=3"),
-}
-"""The single-process baselines parity tests compare with, by name: overrides of configs/single.yaml."""
-
-
-@dataclass(frozen=True)
-class Reference:
-    """A finished 20-step run that checkpointed at step 10."""
-
-    log: Path
-    checkpoint: Path
-
-    def losses(self, key: str = "train_loss") -> dict[int, float]:
-        return step_losses(self.log, key)
 
 
 @pytest.fixture(scope="session")
@@ -243,14 +83,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Callabl
 def baseline(reference: Callable[..., Reference]) -> Callable[[str], Reference]:
     """`baseline(name)`: the single-process run of a SINGLE_PROCESS variant."""
     return lambda name: reference("single.yaml", *SINGLE_PROCESS[name])
-
-
-FSDP4 = [
-    '--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]',
-    "--trainer.devices=4",
-    "--data.init_args.batch_size=2",
-]
-"""hybrid.yaml on [[4, 1]]: 4 processes, each with 2 of the global batch of 8."""
 
 
 @pytest.fixture(scope="session")
@@ -291,3 +123,87 @@ def ddp_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
         assert_ok(fit("ddp.yaml", root, *common(corpus, root / "cache"), *ddp))
 
     return made_once(tmp_path_factory, "ddp_fp32", make)
+
+
+LAUNCHING_CALLS = {"fit", "parallelkit", "torchrun", "training_in_background"}
+"""support.py's helpers that start processes (by name), besides subprocess's own functions (`SUBPROCESS_CALLS`)."""
+
+SUBPROCESS_CALLS = {"run", "Popen", "check_call", "check_output", "call", "spawn"}
+
+
+def _names(function: Callable[..., object]) -> set[str]:
+    """The names and attributes `function` refers to: its compiled code's (nested functions' too) and, where its
+    source parses on its own, the source's (a lambda in a table does not)."""
+    names: set[str] = set()
+    codes = [getattr(function, "__code__", None)]
+    while codes:
+        code = codes.pop()
+        if code is not None:
+            names.update(code.co_names)
+            codes += [c for c in code.co_consts if inspect.iscode(c)]
+    try:
+        tree = ast.parse(inspect.getsource(function).lstrip())  # a method's source is indented
+    except (OSError, TypeError, SyntaxError):
+        return names
+    return names | {getattr(node, "id", None) or getattr(node, "attr", "") for node in ast.walk(tree)}
+
+
+def _launches(item: pytest.Item) -> bool:
+    """Whether the test, a fixture it uses, or a function of the tests' own that they call (transitively) starts a
+    process: calls a launching helper or one of subprocess's functions."""
+    import support
+
+    functions = [item.function]
+    for definitions in item._fixtureinfo.name2fixturedefs.values():
+        functions += [definition.func for definition in definitions]
+    callspec = getattr(item, "callspec", None)  # a parameter may be the launch itself (a lambda from a table)
+    functions += [v for v in (callspec.params.values() if callspec else ()) if callable(v)]
+    tests = str(Path(__file__).resolve().parent)
+    scopes = [
+        vars(m) for m in list(sys.modules.values()) if getattr(m, "__file__", "") and m.__file__.startswith(tests)
+    ]
+    scopes += [vars(item.module), vars(support)]
+    seen: set[int] = set()
+    while functions:
+        function = functions.pop()
+        if id(function) in seen:
+            continue
+        seen.add(id(function))
+        names = _names(function)
+        if names & LAUNCHING_CALLS or "Popen" in names or ("subprocess" in names and names & SUBPROCESS_CALLS):
+            return True
+        for scope in scopes:
+            for value in (scope[n] for n in names if n in scope):
+                values = (
+                    value.values()
+                    if isinstance(value, dict)
+                    else value
+                    if isinstance(value, (list, tuple))
+                    else [value]
+                )
+                functions += [v for v in values if callable(v) and _in_tests(v)]  # a table of launches too
+    return False
+
+
+def _in_tests(function: object) -> bool:
+    path = getattr(getattr(function, "__code__", None), "co_filename", "")
+    return path.startswith(str(Path(__file__).resolve().parents[1]))
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Mark every test that starts processes `launch` (`pytest -m "not launch"`: the fast inner loop)."""
+    for item in items:
+        if isinstance(item, pytest.Function) and _launches(item):
+            item.add_marker(pytest.mark.launch)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """With PARALLELKIT_TEST_NO_PROCESSES=1, starting a process fails the test: how the `launch` marks are checked
+    (`PARALLELKIT_TEST_NO_PROCESSES=1 pytest -m "not launch" -p no:xdist`)."""
+    if os.environ.get("PARALLELKIT_TEST_NO_PROCESSES") == "1":
+        import subprocess
+
+        def refuse(*args: object, **kwargs: object) -> None:
+            raise AssertionError(f"a test not marked launch starts a process: {args[1:2]}")
+
+        subprocess.Popen.__init__ = refuse  # type: ignore[method-assign]

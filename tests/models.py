@@ -1,4 +1,4 @@
-"""Test-only models and callbacks, importable by class_path from CLI runs (conftest puts tests/ on PYTHONPATH)."""
+"""Test-only models and callbacks, importable by class_path from CLI runs (support.py puts tests/ on PYTHONPATH)."""
 
 import json
 import os

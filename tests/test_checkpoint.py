@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import (
+from support import (
     REPO,
     assert_ok,
     assert_same_losses,

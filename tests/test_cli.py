@@ -2,7 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
-from conftest import REPO, assert_ok, assert_same_losses, fit, parallelkit, step_losses
+from support import REPO, assert_ok, assert_same_losses, fit, parallelkit, step_losses
 
 
 def test_env_lays_out_a_mesh_rank_by_coordinate(tmp_path: Path):
@@ -48,7 +48,7 @@ def test_help_lists_lightning_subcommands_and_tools(tmp_path: Path):
 
 def test_ddp_two_processes_matches_single_process_losses_per_step(tmp_path: Path, corpus: Path, baseline):
     """Lightning's DDP on 2 processes against the session's single-process run with the same validation (every 10
-    steps, 3 batches: conftest.SINGLE_PROCESS["val"])."""
+    steps, 3 batches: support.SINGLE_PROCESS["val"])."""
     common = [
         "--trainer.max_steps=20",
         "--trainer.val_check_interval=10",

@@ -3,8 +3,8 @@
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import assert_ok, assert_same_losses, fit, step_losses
-from conftest import common as run_args
+from support import assert_ok, assert_same_losses, fit, step_losses
+from support import common as run_args
 from test_plugins import install_fake_distribution
 
 from parallelkit.comm.int8 import Int8ReduceScatter

@@ -12,9 +12,9 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from conftest import REPO
 from lightning.pytorch.callbacks import ThroughputMonitor
 from lightning.pytorch.strategies import ModelParallelStrategy
+from support import REPO
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 

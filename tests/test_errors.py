@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, common, fit, parallelkit
 from lightning.pytorch.strategies import StrategyRegistry
+from support import REPO, common, fit, parallelkit
 
 import parallelkit as _  # noqa: F401  registers parallelkit's and the plugins' strategies, which the error must list
 

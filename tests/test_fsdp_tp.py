@@ -7,7 +7,7 @@ from copy import deepcopy
 import pytest
 import torch
 import yaml
-from conftest import (
+from support import (
     REPO,
     assert_ok,
     assert_same_losses,
@@ -233,7 +233,7 @@ def test_hsdp_on_two_torchrun_nodes_matches_single_process(tmp_path, corpus, bas
     ]
     import subprocess
 
-    from conftest import subprocess_env
+    from support import subprocess_env
 
     nodes = [
         subprocess.Popen(

@@ -7,8 +7,8 @@ import pytest
 import torch
 import transformers  # noqa: F401  the [hf] extra, which .ci/run installs: missing, these tests fail (never skip)
 import yaml
-from conftest import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses
 from models import TINY_LLAMA
+from support import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses
 
 from parallelkit.contract import declared_plan
 from parallelkit.errors import PlanError

@@ -7,8 +7,8 @@ import json
 import hf_families
 import pytest
 import transformers
-from conftest import REPO, assert_ok, assert_same_losses, common, fit, made_once, step_losses
 from models import TINY_LLAMA
+from support import REPO, assert_ok, assert_same_losses, common, fit, made_once, step_losses
 
 from parallelkit.models.hf_families import GENERATED_WITH, PIPELINE_FAMILIES, TP_FAMILIES
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, assert_ok, assert_same_losses, common, fit, parallelkit, step_losses
 from models import TINY_LLAMA
 from safetensors import safe_open
+from support import REPO, assert_ok, assert_same_losses, common, fit, parallelkit, step_losses
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from parallelkit.checkpoint import consolidate

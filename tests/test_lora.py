@@ -6,7 +6,8 @@ import json
 
 import pytest
 import torch
-from conftest import (
+from models import TINY_LLAMA
+from support import (
     assert_ok,
     assert_same_losses,
     callback,
@@ -15,7 +16,6 @@ from conftest import (
     parallelkit,
     step_losses,
 )
-from models import TINY_LLAMA
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from parallelkit.checkpoint import MODEL_PREFIX, CheckpointError, consolidate, read_metadata

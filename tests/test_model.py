@@ -3,7 +3,7 @@ import copy
 
 import pytest
 import torch
-from conftest import REPO, assert_ok, torchrun
+from support import REPO, assert_ok, torchrun
 
 from parallelkit.contract import matches
 from parallelkit.errors import PlanError

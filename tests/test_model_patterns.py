@@ -3,7 +3,7 @@ a network held as a child and called as `self.model(x)`, two children called in 
 `nn.ModuleDict`s, and a module written for Lightning's ModelParallelStrategy."""
 
 import pytest
-from conftest import assert_ok, assert_same_losses, common, fit, step_losses
+from support import assert_ok, assert_same_losses, common, fit, step_losses
 
 STEPS = 10
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, assert_ok, assert_same_losses, common, fit, step_losses
+from support import REPO, assert_ok, assert_same_losses, common, fit, step_losses
 
 # The configs' model (configs/hybrid.yaml) and batch, for the hand counts below.
 N_LAYER, N_EMBD, VOCAB, MLP_RATIO, SEQ_LEN, BATCH = 2, 64, 256, 4, 64, 4

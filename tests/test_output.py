@@ -3,7 +3,7 @@ warning that is not about the user's own code."""
 
 import re
 
-from conftest import REPO, assert_ok, parallelkit
+from support import REPO, assert_ok, parallelkit
 
 NOISE = re.compile(r"Warning|warn\(|deprecated|It is recommended|FLOPs|Epoch \d+/-|Tip:|Traceback", re.IGNORECASE)
 

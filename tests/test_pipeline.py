@@ -4,7 +4,7 @@ import sys
 
 import pytest
 import torch
-from conftest import SCRIPTS, assert_ok, assert_same_losses, common, fit, run, step_losses
+from support import SCRIPTS, assert_ok, assert_same_losses, common, fit, run, step_losses
 from torch import nn
 
 from parallelkit import PipelineStrategy

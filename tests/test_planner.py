@@ -5,8 +5,8 @@ import json
 
 import pytest
 import torch
-from conftest import REPO, assert_ok, common, fit, parallelkit, step_losses
 from rich.text import Text
+from support import REPO, assert_ok, common, fit, parallelkit, step_losses
 
 from parallelkit.callbacks.activations import SavedTensorWindow
 from parallelkit.cli import PLAN_COLUMNS, PLAN_TABLE_OMITS

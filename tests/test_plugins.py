@@ -4,7 +4,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import assert_ok, parallelkit, run
+from support import assert_ok, parallelkit, run
 
 
 def install_fake_distribution(site: Path, dist: str, module: str, source: str, entry_points: str) -> None:
@@ -121,7 +121,7 @@ def test_plugin_for_another_api_version_warns_with_both_versions_and_still_regis
 def test_the_core_never_imports_a_plugin():
     import ast
 
-    from conftest import REPO
+    from support import REPO
 
     plugin_packages = {p.name for p in (REPO / "plugins").glob("*/src/*") if p.is_dir()}
     assert {"parallelkit_diloco", "parallelkit_template"} <= plugin_packages

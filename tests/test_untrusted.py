@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from conftest import assert_ok, checkpoint_every, common, fit, parallelkit
 from models import TINY_LLAMA
+from support import assert_ok, checkpoint_every, common, fit, parallelkit
 from test_errors import assert_one_paragraph_error
 from transformers import AutoConfig, AutoModelForCausalLM
 
