@@ -170,6 +170,33 @@ def composable_checkpoint(module: Module) -> None:
     checkpoint(module)
 
 
+def grouped_mm(x: Any, weight: Any, offsets: Any) -> Any:
+    """`x` (rows grouped by expert, group `g` ending at row `offsets[g]`) times `weight[g]` (E, in, out) per group.
+    torch 2.13: `torch._grouped_mm` (no public name yet; CUDA and CPU kernels, differentiable)."""
+    import torch
+
+    return torch._grouped_mm(x, weight, offs=offsets)
+
+
+def grouped_mm_runs(x: Any, weight: Any) -> bool:
+    """Whether `grouped_mm` takes these operands: the kernel wants fp32/bf16 rows 16-byte aligned, plain tensors."""
+    import torch
+
+    if not hasattr(torch, "_grouped_mm") or x.dtype not in (torch.float32, torch.bfloat16) or x.dtype != weight.dtype:
+        return False
+    per_16_bytes = 16 // x.element_size()
+    return all(size % per_16_bytes == 0 for size in weight.shape[1:]) and type(weight) is type(x)
+
+
+def all_to_all_autograd(tensor: Any, output_sizes: list[int], input_sizes: list[int], group: Any) -> Any:
+    """Rows of `tensor` exchanged within `group` (`input_sizes` rows to each rank, `output_sizes` from each), with a
+    backward that sends the gradients back. torch 2.13: `_functional_collectives.all_to_all_single_autograd` (the
+    public `torch.distributed.nn.functional.all_to_all_single` is deprecated in its favour)."""
+    from torch.distributed._functional_collectives import all_to_all_single_autograd, wait_tensor
+
+    return wait_tensor(all_to_all_single_autograd(tensor, output_sizes, input_sizes, group))
+
+
 def settle_async_collectives(tree: Any) -> Any:
     """`tree` with every `AsyncCollectiveTensor` (what a tensor-parallel style's `to_local()` returns while its
     collective may still run) replaced by a plain copy of its value that autograd links to it.
@@ -297,6 +324,13 @@ def hf_pp_plan(model: Module) -> dict[str, Any]:
     base = model.base_model_prefix
     pieces = {f"{base}.{name}": io for name, io in (model.config.base_model_pp_plan or {}).items()}
     return {**pieces, **(type(model)._pp_plan or {})}
+
+
+def hf_ep_plan(model: Module) -> dict[str, str]:
+    """A Hugging Face model's expert-parallel plan (module glob -> HF style name): its base model's
+    `config.base_model_ep_plan`, prefixed with the base model's name (as `hf_tp_plan`'s entries are)."""
+    base = model.base_model_prefix
+    return {f"{base}.{name}": style for name, style in (getattr(model.config, "base_model_ep_plan", None) or {}).items()}
 
 
 def hf_supports_sdpa(config: Any) -> bool:

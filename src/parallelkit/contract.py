@@ -25,6 +25,7 @@ from torch import nn
 
 STYLES = (
     "gather_input",
+    "gather_sequence",
     "colwise",
     "rowwise",
     "rowwise_split_input",
@@ -61,6 +62,15 @@ TP_STYLE_HOOK = "adapt_tp_style"
 gives it (a `LoRALinear` splits its adapters as its layer): the parallel code calls it and knows no module class."""
 
 
+EXPERTS_CONTRACT = """an experts module holds every expert of one mixture-of-experts layer: an int attribute
+`num_experts`, every parameter with the expert index as its first dimension (e.g. gate_up_proj [E, 2I, H], down_proj
+[E, H, I]), and `forward(tokens [N, H], top_k_index [N, k], top_k_weights [N, k]) -> [N, H]` giving each token the sum
+of its chosen experts' outputs weighted by its router's weights (the router runs outside it, in the MoE block).
+transformers' MoE families (Qwen3-MoE, Mixtral, OLMoE, ...) follow it; so does parallelkit's GPT with `n_expert`."""
+"""What a module named in `ParallelPlan.experts` must be: expert parallelism replaces its forward by one that sends
+each token to the rank holding its expert and calls the module's own forward there on the experts that rank holds."""
+
+
 def matches(pattern: str, fqn: str) -> bool:
     """True when `fqn` matches `pattern` segment by segment (`*`, and any fnmatch pattern, never crosses a dot)."""
     parts, names = pattern.split("."), fqn.split(".")
@@ -89,6 +99,9 @@ class ParallelPlan:
         pipeline_layers: Module globs in execution order; a pipeline stage runs a contiguous run of them.
         pipeline_refusal: Why this model cannot be pipelined, as the error a pipeline strategy raises (empty: it can).
         tp_refusal: Why this model cannot be tensor-parallel, as the error a tp > 1 layout raises (empty: it can).
+        experts: Globs of the mixture-of-experts layers' experts modules, which expert parallelism divides over the
+            `ep` axis (each rank holds `num_experts / ep` whole experts). Such a module follows `EXPERTS_CONTRACT`.
+        experts_refusal: Why this model's experts cannot be divided (the error an `ep` layout raises; empty: they can).
         tp_divisors: Counts that the tp degree must divide, by what they count (e.g. {"key/value heads": 2}):
             whole heads per rank. Sizes of split weights are checked from the modules themselves.
         loss: `loss(output, target)`: the mean loss of a batch from the model's output (the last pipeline stage
@@ -110,6 +123,8 @@ class ParallelPlan:
     pipeline_layers: Sequence[str] | None = None
     pipeline_refusal: str = ""
     tp_refusal: str = ""
+    experts: Sequence[str] = ()
+    experts_refusal: str = ""
     tp_divisors: Mapping[str, int] = field(default_factory=dict)
     loss: Callable[[Any, Any], Any] | None = None
     split_batch: Callable[[Any], tuple[Any, Any]] = split_pair
@@ -127,6 +142,7 @@ class ParallelPlan:
             tp=dict(getattr(model, "tp_plan", None) or {}),
             fsdp_units=getattr(model, "fsdp_units", None),
             pipeline_layers=getattr(model, "pipeline_layers", None),
+            experts=tuple(getattr(model, "experts_plan", None) or ()),
             tp_divisors=_declared_head_counts(model, getattr(model, "tp_plan", None) or {}),
             loss=loss if callable(loss) else None,
             flops_per_token=flops if callable(flops) else None,

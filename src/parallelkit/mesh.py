@@ -23,14 +23,20 @@ from torch.distributed.device_mesh import DeviceMesh
 from parallelkit.compat import flatten_mesh, flattened_meshes
 from parallelkit.errors import MeshError
 
-AXES = ("pp", "replicate", "fsdp", "tp")
+AXES = ("pp", "replicate", "fsdp", "ep", "tp")
 """Every axis name, in the only order they may appear (outer to inner)."""
 
-DATA_PARALLEL_AXES = ("replicate", "fsdp")
-"""Axes over which ranks see different samples; `pp` and `tp` ranks of one replica share a batch."""
+DATA_PARALLEL_AXES = ("replicate", "fsdp", "ep")
+"""Axes over which ranks see different samples; `pp` and `tp` ranks of one replica share a batch. `ep` (expert
+parallel) is data-parallel for every dense parameter, which FSDP shards over `fsdp` x `ep`; the experts of each
+mixture-of-experts layer are divided over it instead (`parallelkit.parallel.expert_parallel`)."""
 
 DATA_PARALLEL_MESH = "data_parallel"
-"""Name of the flattened axis that `build` adds over every data-parallel axis present (replicate x fsdp)."""
+"""Name of the flattened axis that `build` adds over every data-parallel axis present (replicate x fsdp x ep)."""
+
+SHARD_MESH = "dp_shard"
+"""Name of the flattened axis that `build` adds over `fsdp` x `ep` when the mesh has both: dense parameters are
+sharded over it."""
 
 LIGHTNING_AXES = {DATA_PARALLEL_MESH: DATA_PARALLEL_AXES, "tensor_parallel": ("tp",)}
 """The axis names of Lightning's ModelParallelStrategy mesh, and the axes each one spans here: a module written for
@@ -94,7 +100,7 @@ class MeshSpec:
             if name not in AXES:
                 raise MeshError(
                     f"mesh_shape {shown} names an unknown axis {name!r}. Axis names are {', '.join(AXES)} "
-                    "(pipeline, HSDP replicate, fully sharded data parallel, tensor parallel)."
+                    "(pipeline, HSDP replicate, fully sharded data parallel, expert parallel, tensor parallel)."
                 )
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
@@ -187,8 +193,8 @@ class MeshSpec:
 
     @property
     def dp_size(self) -> int:
-        """Data-parallel degree: replicas x shards, the number of distinct batches per step."""
-        return self.size("replicate") * self.size("fsdp")
+        """Data-parallel degree: replicas x shards x expert-parallel ranks, the number of distinct batches per step."""
+        return self.size("replicate") * self.size("fsdp") * self.size("ep")
 
     def coordinates(self, rank: int) -> dict[str, int]:
         """Coordinate of global `rank` on each axis (row-major layout)."""
@@ -202,13 +208,17 @@ class MeshSpec:
     def dp_rank(self, rank: int | None = None) -> int:
         """Index of `rank`'s batch among the `dp_size` data-parallel batches (defaults to this process)."""
         coords = self.coordinates(current_rank() if rank is None else rank)
-        return coords.get("replicate", 0) * self.size("fsdp") + coords.get("fsdp", 0)
+        index = 0
+        for axis in DATA_PARALLEL_AXES:
+            index = index * self.size(axis) + coords.get(axis, 0)
+        return index
 
     def build(self, device_type: str) -> DeviceMesh:
         """Create the DeviceMesh (process groups included); needs the default process group.
 
         Flattened axes are added under Lightning's names (`LIGHTNING_AXES`): `mesh["data_parallel"]` spans every
-        data-parallel axis (the sampler's and metrics' group), `mesh["tensor_parallel"]` is tp.
+        data-parallel axis (the sampler's and metrics' group), `mesh["tensor_parallel"]` is tp; with an `ep` axis,
+        `mesh["dp_shard"]` spans `fsdp` x `ep` (what dense parameters are sharded over).
         """
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -219,6 +229,8 @@ class MeshSpec:
             present = tuple(axis for axis in axes if axis in self.names)
             if present:
                 flatten_mesh(mesh[present], name)
+        if all(axis in self.names for axis in ("fsdp", "ep")):
+            flatten_mesh(mesh["fsdp", "ep"], SHARD_MESH)
         mesh.__class__ = NamedMesh  # the same object, answering to the flattened names too
         return mesh
 
@@ -243,9 +255,28 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     """The sub-mesh spanning every data-parallel rank of `mesh`, or None when it has no dp axis."""
     names = mesh.mesh_dim_names or ()
     present = [axis for axis in DATA_PARALLEL_AXES if axis in names]
-    if len(present) == 2:
+    if len(present) > 1:
         return mesh[DATA_PARALLEL_MESH]
     return mesh[present[0]] if present else None
+
+
+def dense_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh FSDP shards dense parameters over: the data-parallel axes, 2-D (replicate, shard) for HSDP, where
+    the shard axis is `fsdp` x `ep` (`SHARD_MESH`) when the mesh has both; None without a data-parallel axis."""
+    names = mesh.mesh_dim_names or ()
+    shard = [axis for axis in ("fsdp", "ep") if axis in names]
+    shard_name = SHARD_MESH if len(shard) == 2 else (shard[0] if shard else None)
+    if "replicate" in names and shard_name is not None:
+        return mesh["replicate", shard_name]
+    return data_parallel_mesh(mesh)
+
+
+def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
+    """The mesh FSDP shards experts over: the data-parallel axes other than `ep` (2-D for HSDP); None when there are
+    none (each rank then holds its experts whole)."""
+    names = mesh.mesh_dim_names or ()
+    present = tuple(axis for axis in ("replicate", "fsdp") if axis in names)
+    return mesh[present] if len(present) == 2 else (mesh[present[0]] if present else None)
 
 
 def current_rank() -> int:

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
+from parallelkit.compat import grouped_mm, grouped_mm_runs
 from parallelkit.errors import ConfigError
 from parallelkit.lora import LoRA, add_adapters, as_lora, config_dict
 from parallelkit.models.lm import CausalLM
@@ -76,13 +77,72 @@ class MLP(nn.Module):
         return self.down(F.gelu(self.up(x)))
 
 
+class Router(nn.Module):
+    """Top-k routing: a softmax over the experts' logits (in fp32), each token's `top_k` largest, renormalised."""
+
+    def __init__(self, n_embd: int, n_expert: int, top_k: int) -> None:
+        super().__init__()
+        self.top_k = top_k
+        self.weight = nn.Parameter(torch.empty(n_expert, n_embd))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        probs = F.linear(x, self.weight).float().softmax(dim=-1)
+        weights, index = probs.topk(self.top_k, dim=-1)
+        return index, (weights / weights.sum(dim=-1, keepdim=True)).to(x.dtype)
+
+
+class Experts(nn.Module):
+    """`num_experts` GELU MLPs in two 3-D weights, each token copy through its expert's: one grouped matrix multiply
+    per weight over the copies sorted by expert (`parallelkit.contract.EXPERTS_CONTRACT`, which expert parallelism
+    divides over the ep axis)."""
+
+    def __init__(self, n_expert: int, n_embd: int, hidden: int) -> None:
+        super().__init__()
+        self.num_experts = n_expert
+        self.up = nn.Parameter(torch.empty(n_expert, hidden, n_embd))
+        self.down = nn.Parameter(torch.empty(n_expert, n_embd, hidden))
+
+    def forward(self, x: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
+        k = top_k_index.shape[-1]
+        flat = top_k_index.reshape(-1)
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        token = order // k
+        h = F.gelu(grouped_linear(x.index_select(0, token), self.up, counts))
+        y = grouped_linear(h, self.down, counts) * top_k_weights.reshape(-1).index_select(0, order)[:, None]
+        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` sorted by expert, `counts[e]` of them for expert `e`, each times its expert's `weight[e]` (E, out,
+    in) transposed: torch's grouped GEMM where its kernel runs (16-byte aligned rows), else one matmul per expert."""
+    if grouped_mm_runs(x, weight):
+        return grouped_mm(x.contiguous(), weight.transpose(-2, -1), counts.cumsum(0).to(torch.int32))
+    return torch.cat([rows @ w.T for rows, w in zip(x.split(counts.tolist()), weight)])
+
+
+class MoE(nn.Module):
+    """A mixture-of-experts MLP: a router picks `top_k` of `n_expert` experts per token and weights their outputs."""
+
+    def __init__(self, n_embd: int, hidden: int, n_expert: int, top_k: int) -> None:
+        super().__init__()
+        self.router = Router(n_embd, n_expert, top_k)
+        self.experts = Experts(n_expert, n_embd, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])
+        index, weights = self.router(flat)
+        return self.experts(flat, index, weights).view_as(x)
+
+
 class Block(nn.Module):
-    def __init__(self, n_embd: int, n_head: int, mlp_ratio: int) -> None:
+    def __init__(self, n_embd: int, n_head: int, mlp_ratio: int, n_expert: int = 0, top_k: int = 2) -> None:
         super().__init__()
         self.attn_norm = nn.RMSNorm(n_embd)
         self.attn = Attention(n_embd, n_head)
         self.mlp_norm = nn.RMSNorm(n_embd)
-        self.mlp = MLP(n_embd, mlp_ratio * n_embd)
+        hidden = mlp_ratio * n_embd
+        self.mlp = MoE(n_embd, hidden, n_expert, top_k) if n_expert else MLP(n_embd, hidden)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
@@ -106,6 +166,9 @@ class GPT(CausalLM):
         init_std: Standard deviation of the normal initialisation of weights.
         lora: Low-rank adapters (`parallelkit.lora.LoRA`: rank, alpha, dropout, targets) on the targeted linear
             layers, every other parameter frozen. None: the whole model trains.
+        n_expert: Experts per block's MLP, a mixture of experts (0: a dense MLP). Expert parallelism (an `ep` mesh
+            axis) divides them; ep must divide n_expert.
+        top_k: Experts each token is routed to, when n_expert > 0.
     """
 
     # The parallel contract (README, "The model contract"): globs over module names -> how each is split.
@@ -141,8 +204,15 @@ class GPT(CausalLM):
         min_lr_ratio: float = 0.1,
         init_std: float = 0.02,
         lora: LoRA | None = None,
+        n_expert: int = 0,
+        top_k: int = 2,
     ) -> None:
         super().__init__()
+        if n_expert and not 1 <= top_k <= n_expert:
+            raise ConfigError(
+                f"GPT top_k={top_k} with n_expert={n_expert}: each token is routed to top_k of the n_expert experts. "
+                f"Fix: a top_k from 1 to {n_expert} (2 is usual)."
+            )
         if n_head < 1 or n_embd % n_head:
             raise ConfigError(
                 f"GPT n_embd={n_embd} is not a multiple of n_head={n_head}: each attention head takes n_embd / n_head "
@@ -151,7 +221,12 @@ class GPT(CausalLM):
         lora = config_dict(as_lora(lora))  # plain values in the hyperparameters (and checkpoints)
         self.save_hyperparameters()
         self.tok_emb = nn.Embedding(vocab_size, n_embd)
-        self.blocks = nn.ModuleList(Block(n_embd, n_head, mlp_ratio) for _ in range(n_layer))
+        self.blocks = nn.ModuleList(Block(n_embd, n_head, mlp_ratio, n_expert, top_k) for _ in range(n_layer))
+        if n_expert:  # the mixture runs whole on every tp rank (nothing in it is split); ep divides its experts
+            mlp = {"blocks.*.mlp": "gather_sequence"}
+            dense = {k: v for k, v in self.tp_plan.items() if not k.startswith("blocks.*.mlp.")}
+            self.tp_plan = {**dense, **mlp}
+            self.experts_plan = ["blocks.*.mlp.experts"]
         self.norm = nn.RMSNorm(n_embd)
         self.head = nn.Linear(n_embd, vocab_size, bias=False)
         self.init_weights()
@@ -169,6 +244,11 @@ class GPT(CausalLM):
                 nn.init.normal_(module.weight, mean=0.0, std=residual_std if out else std)
             elif isinstance(module, nn.RMSNorm):
                 nn.init.ones_(module.weight)
+            elif isinstance(module, Router):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, Experts):
+                nn.init.normal_(module.up, mean=0.0, std=std)
+                nn.init.normal_(module.down, mean=0.0, std=residual_std)
 
     @property
     def vocab_size(self) -> int:
@@ -187,5 +267,8 @@ class GPT(CausalLM):
         pipeline stage dropped some): 6 per weight of every matrix multiply (the embedding lookup is none), plus
         12 x width x sequence length per block for attention scores and values (PaLM's accounting)."""
         matmul = sum(p.numel() for name, p in self.named_parameters() if p.ndim == 2 and not name.startswith("tok_"))
+        # A token goes through top_k of each block's experts.
+        experts = sum(p.numel() for p in self.parameters() if p.ndim == 3) * self.hparams.top_k
+        matmul += experts / max(self.hparams.n_expert, 1)
         blocks = sum(block is not None for block in self.blocks)
         return 6.0 * matmul + 12.0 * blocks * self.hparams.n_embd * seq_len

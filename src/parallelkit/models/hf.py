@@ -20,8 +20,8 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from parallelkit.compat import hf_initialize, hf_pp_plan, hf_supports_sdpa, hf_tp_plan
-from parallelkit.contract import ParallelPlan
+from parallelkit.compat import hf_ep_plan, hf_initialize, hf_pp_plan, hf_supports_sdpa, hf_tp_plan
+from parallelkit.contract import ParallelPlan, matches
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.init import building_on_meta, materialize, meta_parameters, set_whole
 from parallelkit.lora import LoRA, add_adapters, as_lora, config_dict, is_adapter, reset_adapters
@@ -227,7 +227,11 @@ class HFCausalLM(CausalLM):
         description = f"{type(self).__name__} ({config.model_type})"
         tp: dict[str, str] = {}
         untranslated = {}
+        experts, experts_refusal = self._experts()
+        blocks = sorted({name.rpartition(".")[0] for name in experts})  # the MoE blocks: router, experts, shared
         for pattern, style in hf_tp_plan(self.model).items():
+            if any(_within(f"model.{pattern}", block) for block in blocks):
+                continue  # a MoE block runs whole on every tp rank (gather_sequence below); experts divide over ep
             if style not in HF_STYLES:
                 untranslated[pattern] = style
                 continue
@@ -273,12 +277,16 @@ class HFCausalLM(CausalLM):
             inside = module.startswith(in_layer) and "." not in module.removeprefix(in_layer)
             if style in ("colwise", "colwise_gather") and inside:
                 tp.setdefault(module, "gather_input")
+        for block in blocks:  # after the gather_input globs, which a MoE block's name may match too
+            tp[block] = "gather_sequence"
         return ParallelPlan(
             tp=tp,
             fsdp_units=[f"{names['layers']}.*"],
             pipeline_layers=self._pipeline_layers(),
             pipeline_refusal=self._pipeline_refusal(),
             tp_refusal=refusal,
+            experts=experts,
+            experts_refusal=experts_refusal,
             tp_divisors=self._head_counts(),
             loss=self.pipeline_loss,
             stage_forward=self._run_stage,
@@ -286,6 +294,21 @@ class HFCausalLM(CausalLM):
             flops_per_token=self.flops_per_token,
             description=description,
         )
+
+    def _experts(self) -> tuple[list[str], str]:
+        """The experts modules transformers' expert-parallel plan names (`ep_dispatch_experts`), and why a family with
+        experts but no such plan cannot divide them (empty otherwise: a dense model has no experts to divide)."""
+        globs = [f"model.{glob}" for glob, style in hf_ep_plan(self.model).items() if style == "ep_dispatch_experts"]
+        named = [f"model.{name}" for name, _ in self.model.named_modules() if name]
+        experts = [name for name in named if any(matches(glob, name) for glob in globs)]
+        refusal = ""
+        if not experts and any(isinstance(getattr(m, "num_experts", None), int) for m in self.model.modules()):
+            refusal = (
+                f"transformers declares no expert-parallel plan for {self.config.model_type} (base_model_ep_plan), so "
+                "parallelkit cannot tell which modules hold its experts. Fix: train it without an ep axis (e.g. "
+                'mesh_shape [[-1], ["fsdp"]]), or subclass HFCausalLM and give parallel_plan() its experts.'
+            )
+        return experts, refusal
 
     def _pipeline_layers(self) -> list[str]:
         layers = []
@@ -442,6 +465,12 @@ class HFCausalLM(CausalLM):
         head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
         attention = sum(1 for name, _ in self.named_modules() if name.rpartition(".")[2] in ("self_attn", "attn"))
         return 6.0 * linear + 12.0 * attention * heads * head_dim * seq_len
+
+
+def _within(pattern: str, name: str) -> bool:
+    """Whether glob `pattern` names module `name` or something inside it."""
+    parts, depth = pattern.split("."), len(name.split("."))
+    return len(parts) >= depth and matches(".".join(parts[:depth]), name)
 
 
 def _is_conv1d(module: nn.Module) -> bool:

@@ -1,11 +1,12 @@
 """Parallel techniques, one module each, and `parallelize`, which applies them in the one fixed order.
 
 - `resolve`: a model's declared plan resolved for a layout (names, checks, stages): read by everything below;
-- `pipeline`: the stage split; `tensor_parallel`; `activation_checkpoint`; `compile`; `fsdp`.
+- `pipeline`: the stage split; `tensor_parallel`; `expert_parallel`; `activation_checkpoint`; `compile`; `fsdp`.
 
-The order, per root (the model, or each of this rank's pipeline stages): pipeline split -> tensor parallel ->
-activation checkpointing -> compile -> FSDP. The split comes first so each stage is parallelised on its own; tensor
-parallelism before FSDP, which shards the DTensors it made; checkpointing inside the FSDP units, so the recompute
+The order, per root (the model, or each of this rank's pipeline stages): pipeline split -> tensor parallel -> expert
+parallel -> activation checkpointing -> compile -> FSDP. The split comes first so each stage is parallelised on its
+own; tensor and expert parallelism before FSDP, which shards the DTensors they made (tp never splits an experts
+module, so the two are independent); checkpointing inside the FSDP units, so the recompute
 sees gathered parameters; the compiled blocks see tensor parallelism's collectives but not FSDP's. A new technique
 gets a module here and a line in `parallelize` (docs/architecture.md).
 """
@@ -18,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 from torch import nn
 
 from parallelkit.errors import PlanError
-from parallelkit.mesh import data_parallel_mesh
+from parallelkit.mesh import dense_mesh, expert_data_mesh
 from parallelkit.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_modules
 from parallelkit.parallel.compile import apply_compile
+from parallelkit.parallel.expert_parallel import apply_expert_parallel
 from parallelkit.parallel.fsdp import apply_fsdp, runnable_unit
 from parallelkit.parallel.pipeline import split_model
 from parallelkit.parallel.resolve import ResolvedPlan, resolve
@@ -53,16 +55,15 @@ def parallelize(
     if resolved is None:
         if stages is not None:
             raise PlanError("parallelize(stages=...) needs the plan resolved with its stages: resolve(num_stages=...).")
-        resolved = resolve(model, tp=mesh["tp"].size() if "tp" in (mesh.mesh_dim_names or ()) else 1)
+        sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
+        resolved = resolve(model, tp=sizes.get("tp", 1), ep=sizes.get("ep", 1))
     name = type(model).__name__
     roots = [model] if stages is None else split_model(model, resolved, stages)
-    names = mesh.mesh_dim_names or ()
-    dp_mesh = data_parallel_mesh(mesh)
-    if dp_mesh is not None and all(axis in names for axis in ("replicate", "fsdp")):
-        dp_mesh = mesh["replicate", "fsdp"]  # HSDP: replicate across, shard within
+    dp_mesh = dense_mesh(mesh)  # HSDP (2-D) with a replicate axis: replicate across, shard within
     for root in roots:
         if resolved.tp_size > 1:
             apply_tensor_parallel(root, mesh["tp"], resolved)
+        experts = apply_expert_parallel(root, mesh["ep"], resolved) if resolved.ep_size > 1 else []
         held = dict(root.named_modules())
         units = [runnable_unit(name, fqn, held[fqn]) for fqn in resolved.fsdp_units if fqn in held]
         if compile is None:
@@ -78,6 +79,8 @@ def parallelize(
                 comm_hook=comm_hook,
                 reshard_after_forward=reshard_after_forward,
                 cpu_offload=cpu_offload,
+                experts=experts,
+                experts_mesh=expert_data_mesh(mesh),
             )
     return roots
 

@@ -43,8 +43,14 @@ def apply_fsdp(
     comm_hook: Any = None,
     reshard_after_forward: str = "default",
     cpu_offload: bool = False,
+    experts: list[nn.Module] = (),
+    experts_mesh: DeviceMesh | None = None,
 ) -> None:
     """fully_shard each fsdp unit, then the root, over `dp_mesh` (2-D replicate x fsdp means HSDP).
+
+    `experts` (modules whose parameters expert parallelism divided over the ep axis) are sharded first, each as its
+    own group, over `experts_mesh` (the data-parallel axes other than ep); without one their parameters are left out
+    of every group (each rank holds its experts whole, and nothing needs reducing).
 
     `reshard_after_forward`: "always" frees every gathered weight after its forward, "never" keeps them all,
     "default" frees all but the last unit and the root: backward needs those first, so freeing them would
@@ -60,6 +66,11 @@ def apply_fsdp(
         ),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
+    ignored = {param for module in experts for param in module.parameters()} if experts_mesh is None else None
+    if experts_mesh is not None:
+        for module in experts:
+            fully_shard(module, reshard_after_forward=reshard_after_forward != "never", **{**options, "mesh": experts_mesh})
+    options["ignored_params"] = ignored
     for index, unit in enumerate(units):
         last = index == len(units) - 1
         reshard = reshard_after_forward == "always" or (reshard_after_forward == "default" and not last)
@@ -68,5 +79,5 @@ def apply_fsdp(
     fully_shard(root, reshard_after_forward=reshard_after_forward == "always", **options)
     if comm_hook is not None:
         # A group's modules share one FSDP state: configuring its first module configures the group.
-        for module in (*units, root):
+        for module in (*(experts if experts_mesh is not None else ()), *units, root):
             comm_hook.configure(module[0] if isinstance(module, list) else module)

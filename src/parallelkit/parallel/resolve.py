@@ -15,7 +15,15 @@ from typing import Any
 
 from torch import nn
 
-from parallelkit.contract import GATHERING_STYLES, STYLES, ParallelPlan, declared_plan, matches, shards_the_sequence
+from parallelkit.contract import (
+    EXPERTS_CONTRACT,
+    GATHERING_STYLES,
+    STYLES,
+    ParallelPlan,
+    declared_plan,
+    matches,
+    shards_the_sequence,
+)
 from parallelkit.errors import PlanError
 from parallelkit.parallel.pipeline import split_stages
 
@@ -31,6 +39,8 @@ class ResolvedPlan:
         loss_parallel: Whether the loss takes vocab-sharded logits.
         tp_styles: Module name -> its declared style (a `STYLES` name or a torch `ParallelStyle`); empty when tp is 1.
         gathered: Column-wise module name -> the `gather_input` module whose gathered input it takes.
+        ep_size: The expert-parallel degree it was checked against (1: every rank holds every expert).
+        experts: Names of the experts modules (`ParallelPlan.experts`), whether divided (ep > 1) or not.
         fsdp_units: Names of the modules sharded as their own FSDP groups, in module order.
         pipeline_layers: The pipeline layers in execution order; empty when the model cannot be pipelined.
         pipeline_error: Why it cannot (the error a pipeline layout raises), or "".
@@ -43,6 +53,8 @@ class ResolvedPlan:
     loss_parallel: bool = False
     tp_styles: Mapping[str, Any] = field(default_factory=dict)
     gathered: Mapping[str, str] = field(default_factory=dict)
+    ep_size: int = 1
+    experts: Sequence[str] = ()
     fsdp_units: Sequence[str] = ()
     pipeline_layers: Sequence[str] = ()
     pipeline_error: str = ""
@@ -59,12 +71,13 @@ def resolve(
     tp: int = 1,
     sequence_parallel: bool | None = None,
     loss_parallel: bool = False,
+    ep: int = 1,
     num_stages: int | None = None,
     split_points: Sequence[int | str] | None = None,
     plan: ParallelPlan | None = None,
 ) -> ResolvedPlan:
-    """Resolve `model`'s plan (`plan`, default what it declares) for a tp degree and, for pipelines, a number of
-    stages; raises `PlanError` for what that layout cannot do, naming the fix.
+    """Resolve `model`'s plan (`plan`, default what it declares) for a tp degree, an expert-parallel degree and, for
+    pipelines, a number of stages; raises `PlanError` for what that layout cannot do, naming the fix.
 
     `sequence_parallel` None: on when tp > 1 and the plan shards norms on the sequence (a plan of column- and row-wise
     layers alone, e.g. on batch x features activations, has no sequence to shard).
@@ -101,6 +114,8 @@ def resolve(
         loss_parallel=loss_parallel,
         tp_styles=styles,
         gathered=gathered_inside(styles),
+        ep_size=ep,
+        experts=expert_names(model, plan, ep),
         fsdp_units=fsdp_unit_names(model, plan),
         pipeline_layers=layers,
         pipeline_error=pipeline_error,
@@ -140,6 +155,45 @@ def expand_tp(model: nn.Module, plan: ParallelPlan, tp: int | None = None) -> di
     if tp is not None:
         _check_divisors(plan, tp)  # after the sizes of split weights, which name the module
     return styles
+
+
+def expert_names(model: nn.Module, plan: ParallelPlan, ep: int = 1) -> list[str]:
+    """The plan's experts globs as module names, each checked against `EXPERTS_CONTRACT` and, for ep > 1, `ep`."""
+    if ep > 1 and plan.experts_refusal:
+        raise PlanError(f"{plan.description}: {plan.experts_refusal}")
+    if ep > 1 and not plan.experts:
+        raise PlanError(
+            f"mesh_shape has ep={ep}, but {plan.description} declares no experts modules (ParallelPlan.experts, or "
+            "the class attribute experts_plan): expert parallelism divides the experts of mixture-of-experts layers "
+            "over the ep axis, and a dense model has none. Fix: use fsdp for the data-parallel ranks (e.g. mesh_shape "
+            '[[-1], ["fsdp"]]), or declare the experts modules if the model has some.'
+        )
+    named = select(model, plan.experts, "experts_plan") if plan.experts else []
+    for fqn, module in named:
+        count = getattr(module, "num_experts", None)
+        params = list(module.named_parameters())
+        wrong = [(name, tuple(p.shape)) for name, p in params if not p.ndim or p.shape[0] != count]
+        if not isinstance(count, int) or not params or wrong or not has_forward(module):
+            what = (
+                "no int attribute num_experts"
+                if not isinstance(count, int)
+                else f"parameters {wrong[:2]} whose first dimension is not num_experts={count}"
+                if wrong
+                else "no parameters or no forward()"
+            )
+            raise PlanError(
+                f"{plan.description}.{fqn} ({type(module).__name__}) is declared an experts module but has {what}; "
+                f"{EXPERTS_CONTRACT}. Fix: make it follow that contract, or leave it out of experts_plan."
+            )
+        if count % ep:
+            fits = [d for d in range(1, count + 1) if count % d == 0]
+            raise PlanError(
+                f"mesh_shape has ep={ep}, which does not divide the {count} experts of {plan.description}.{fqn}: each "
+                f"ep rank holds num_experts / ep whole experts. Fix: an ep that divides {count} "
+                f"({', '.join(map(str, fits))}), giving the other ranks to fsdp, e.g. mesh_shape "
+                f'[[-1, {max(d for d in fits if ep % d == 0)}], ["fsdp", "ep"]].'
+            )
+    return [fqn for fqn, _ in named]
 
 
 def gathered_inside(styles: Mapping[str, Any]) -> dict[str, str]:

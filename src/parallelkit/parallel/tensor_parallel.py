@@ -145,6 +145,32 @@ def _gather_input_style() -> ParallelStyle:
     return _input_hook(gathered)
 
 
+def _gather_sequence_style() -> ParallelStyle:
+    """A module that computes on the whole sequence, the same on every tp rank (nothing in it is split: a
+    mixture-of-experts block, whose router and experts see every token): its sequence-sharded input is all-gathered
+    and its output cut back to this rank's part. In backward each rank's gradient is the whole one (every rank
+    computed the same), so the gather's backward keeps this rank's part and the cut's gathers the whole."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+    class _GatherSequence(ParallelStyle):
+        def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+            def whole(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+                x, *rest = args
+                local = DTensor.from_local(x, device_mesh, [Shard(1)], run_check=False)
+                return (local.redistribute(device_mesh, [Replicate()]).to_local(), *rest)
+
+            def part(_module: nn.Module, _args: tuple[Any, ...], out: Any) -> Any:
+                replicated = DTensor.from_local(out, device_mesh, [Replicate()], run_check=False)
+                return replicated.redistribute(device_mesh, [Shard(1)]).to_local()
+
+            module.register_forward_pre_hook(whole)
+            module.register_forward_hook(part)
+            return module
+
+    return _GatherSequence()
+
+
 def _shard_sequence_style() -> ParallelStyle:
     """Where the sequence-sharded stream begins: the module's input is the whole sequence (the same on every tp
     rank) and it computes on this rank's part of it (no communication; backward all-gathers the gradient).
@@ -201,6 +227,8 @@ def tp_style(
     match name:
         case "gather_input":
             return _gather_input_style() if sequence_parallel else None
+        case "gather_sequence":
+            return _gather_sequence_style() if sequence_parallel else None
         case "shard_sequence":
             return _shard_sequence_style() if sequence_parallel else None
         case "colwise":

@@ -223,6 +223,7 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         return resolve(
             model,
             tp=self.mesh_spec.size("tp"),
+            ep=self.mesh_spec.size("ep"),
             sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel,
         )

@@ -205,6 +205,7 @@ class PipelineStrategy(ParallelkitStrategy):
         resolved = resolve(
             model,
             tp=self.mesh_spec.size("tp"),
+            ep=self.mesh_spec.size("ep"),
             sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel,
             num_stages=self.num_stages,
