@@ -199,6 +199,8 @@ def _tp(model) -> str:  # noqa: ANN001
             return "yes"
         if "declares no tensor-parallel plan" in text:
             return "no tp plan declared"
+        if "splits only its experts" in text:
+            return "tp plan splits only experts (use ep)"
         style = re.search(r"the style '(\w+)'", text)
         return f"style {style.group(1)} not translated" if style else _one_line(err)
     return "yes"

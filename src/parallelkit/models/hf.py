@@ -237,7 +237,13 @@ class HFCausalLM(CausalLM):
                 continue
             tp[f"model.{pattern}"] = "vocab_head" if f"model.{pattern}" == names["head"] else HF_STYLES[style]
         refusal = ""
-        if not any(pattern.startswith(f"{names['layers']}.") for pattern in tp):
+        if blocks and not any(pattern.startswith(f"{names['layers']}.") for pattern in tp):
+            refusal = (
+                f"transformers' tensor-parallel plan for {config.model_type} splits only its experts, which parallelkit "
+                "divides over an ep axis instead (expert parallelism): nothing else in its layers is declared to "
+                'split. Fix: an ep axis instead of tp (e.g. mesh_shape [[-1, 2], ["fsdp", "ep"]]).'
+            )
+        elif not any(pattern.startswith(f"{names['layers']}.") for pattern in tp):
             refusal = (
                 f"transformers declares no tensor-parallel plan for {config.model_type} (base_model_tp_plan), so "
                 "parallelkit cannot tell how its layers split. Fix: train it without a tp axis (e.g. mesh_shape "
