@@ -2,6 +2,12 @@
 
     python benchmarks/hf.py                           # 2 processes, FSDP2 over both (CPU/gloo or GPUs), fp32
     python benchmarks/hf.py --nproc 4 --repeats 7 --n-layer 8
+    python benchmarks/hf.py --moe 8 --nproc 4         # a Qwen3-MoE: expert parallelism against FSDP alone
+
+With `--moe E` the model is a Qwen3-MoE (E experts, top-2, each expert `n_embd` wide) and the variants are
+(a) parallelkit under FSDP alone (transformers' own expert code in every rank, all experts gathered), (a')
+`parallelkit_ep`: the same under expert parallelism (`[[nproc], ["ep"]]`: each rank holds E / nproc experts, tokens
+sent to them by all-to-all), and (b) Accelerate's FSDP2 (its decoder layers wrapped, transformers' expert code).
 
 Needs the extras: pip install -e ".[bench,hf]" (Accelerate, matplotlib; transformers).
 
@@ -70,9 +76,22 @@ from parallelkit.data import SyntheticDataModule
 from parallelkit.data.sampler import GlobalBatchSampler
 from parallelkit.models import HFCausalLM
 
-VARIANTS = ("parallelkit", "accelerate", "lightning")
+DENSE_VARIANTS = ("parallelkit", "accelerate", "lightning")
+MOE_VARIANTS = ("parallelkit", "parallelkit_ep", "accelerate")
 LR, BETAS, WEIGHT_DECAY, WARMUP_STEPS, MIN_LR_RATIO = 3e-3, (0.9, 0.95), 0.1, 2, 0.1
 """HFCausalLM's optimizer settings (warmup shortened as strategies.py does), given to every variant."""
+
+
+def variants(args: argparse.Namespace) -> tuple[str, ...]:
+    return MOE_VARIANTS if args.moe else DENSE_VARIANTS
+
+
+def model_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The Llama, or with `--moe` a Qwen3-MoE of the same sizes (every layer's MLP a mixture of `--moe` experts)."""
+    if not args.moe:
+        return {"model_type": "llama", **llama_config(args)}
+    moe = {"num_experts": args.moe, "num_experts_per_tok": 2, "moe_intermediate_size": args.n_embd}
+    return {"model_type": "qwen3_moe", **llama_config(args), **moe, "head_dim": args.n_embd // args.n_head}
 
 
 def llama_config(args: argparse.Namespace) -> dict[str, Any]:
@@ -93,10 +112,10 @@ def save_initial_weights(args: argparse.Namespace, directory: Path) -> None:
     """The seed-0 model every variant loads. HFCausalLM and LlamaForCausalLM built from the same seed hold
     different weights (parallelkit replays each module's reset_parameters() before transformers' own init, which
     draws more from the generator), so a shared checkpoint, not a shared seed, makes the work the same."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(0)
-    LlamaForCausalLM(LlamaConfig(**llama_config(args))).save_pretrained(directory)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**model_config(args))).save_pretrained(directory)
 
 
 def data(args: argparse.Namespace, dp: int) -> SyntheticDataModule:
@@ -144,9 +163,10 @@ def run_lightning(args: argparse.Namespace, variant: str) -> StepRecorder:
     clock = StepRecorder()
     world = dist.get_world_size()
     hparams = {"pretrained": args.pretrained, "lr": LR, "warmup_steps": WARMUP_STEPS, "min_lr_ratio": MIN_LR_RATIO}
-    if variant == "parallelkit":
+    if variant in ("parallelkit", "parallelkit_ep"):
         model = HFCausalLM(**hparams)
-        strategy = parallelkit.FSDPTPStrategy(mesh_shape=[[world], ["fsdp"]])
+        axis = "ep" if variant == "parallelkit_ep" else "fsdp"
+        strategy = parallelkit.FSDPTPStrategy(mesh_shape=[[world], [axis]])
     else:
         model = HandWrittenLlama(**hparams)
         strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
@@ -160,16 +180,17 @@ def run_accelerate(args: argparse.Namespace) -> StepRecorder:
     from accelerate.state import AcceleratorState, GradientState
     from accelerate.utils import DistributedType
     from torch.distributed.fsdp import FSDPModule
-    from transformers import LlamaForCausalLM
+    from transformers import AutoModelForCausalLM
 
     # Accelerate's state is a process-wide singleton; each turn starts it afresh, as a new job would.
     AcceleratorState._reset_state(reset_partial_state=True)
     GradientState._reset_state()
     L.seed_everything(0, verbose=False)
+    model = AutoModelForCausalLM.from_pretrained(args.pretrained)
     plugin = FullyShardedDataParallelPlugin(
         fsdp_version=2,
         auto_wrap_policy="transformer_based_wrap",
-        transformer_cls_names_to_wrap=["LlamaDecoderLayer"],
+        transformer_cls_names_to_wrap=[type(model.model.layers[0]).__name__],
         reshard_after_forward=True,
         state_dict_type="SHARDED_STATE_DICT",
     )
@@ -179,7 +200,6 @@ def run_accelerate(args: argparse.Namespace) -> StepRecorder:
         # DDP. Its FSDP2 path (fsdp2_prepare_model) runs on CPU/gloo unchanged once the state says FSDP.
         acc.state.distributed_type = DistributedType.FSDP
         acc.state.fsdp_plugin = plugin
-    model = LlamaForCausalLM.from_pretrained(args.pretrained)
     model.train()
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
@@ -230,14 +250,15 @@ def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    times: dict[str, list[float]] = {v: [] for v in VARIANTS}
-    cpu: dict[str, list[float]] = {v: [] for v in VARIANTS}
+    names = variants(args)
+    times: dict[str, list[float]] = {v: [] for v in names}
+    cpu: dict[str, list[float]] = {v: [] for v in names}
     rounds: list[dict[str, float]] = []  # per turn of all variants: each one's median step time
     losses: dict[str, list[float]] = {}
     memory: dict[str, float | None] = {}
     for rep in range(args.repeats):
         rounds.append({})
-        for variant in VARIANTS[rep % 3 :] + VARIANTS[: rep % 3]:
+        for variant in names[rep % 3 :] + names[: rep % 3]:
             reset_peak_memory()
             clock = run_accelerate(args) if variant == "accelerate" else run_lightning(args, variant)
             times[variant] += clock.times[args.warmup - 1 :]
@@ -246,18 +267,20 @@ def worker(args: argparse.Namespace) -> None:
             losses.setdefault(variant, clock.losses)  # the first turn's; every turn trains the same steps
             memory[variant] = peak_memory_mb()
             dist.barrier()
-    cpu_medians = summed_over_ranks([statistics.median(cpu[v]) for v in VARIANTS])  # the job's CPU time per step
-    losses = {v: rank_mean(losses[v]) for v in VARIANTS}
+    cpu_medians = summed_over_ranks([statistics.median(cpu[v]) for v in names])  # the job's CPU time per step
+    losses = {v: rank_mean(losses[v]) for v in names}
     if dist.get_rank() == 0:
         pairs = [("parallelkit", "accelerate"), ("parallelkit", "lightning")]
-        cpu_s = dict(zip(VARIANTS, cpu_medians))
+        if args.moe:
+            pairs = [("parallelkit_ep", "parallelkit"), ("parallelkit_ep", "accelerate")]
+        cpu_s = dict(zip(names, cpu_medians))
         result = compare(times, cpu_s, rounds, memory, args.global_batch * args.seq_len, pairs)
         reference = losses["parallelkit"]
         result["losses"] = {
             "per_step": losses,
-            "first_step": {v: losses[v][0] for v in VARIANTS},
-            "first_step_max_abs_diff": max(abs(losses[v][0] - reference[0]) for v in VARIANTS),
-            "all_steps_max_abs_diff": max(abs(a - b) for v in VARIANTS for a, b in zip(losses[v], reference)),
+            "first_step": {v: losses[v][0] for v in names},
+            "first_step_max_abs_diff": max(abs(losses[v][0] - reference[0]) for v in names),
+            "all_steps_max_abs_diff": max(abs(a - b) for v in names for a, b in zip(losses[v], reference)),
         }
         Path(args.out).write_text(json.dumps(result))
     dist.destroy_process_group()
@@ -265,14 +288,16 @@ def worker(args: argparse.Namespace) -> None:
 
 def draw(results: dict[str, Any]) -> None:
     args, load = results["args"], results["load_average_1min"]
+    names = MOE_VARIANTS if args.get("moe") else DENSE_VARIANTS
+    model = f"Qwen3-MoE ({args['moe']} experts)" if args.get("moe") else "Llama"
     chart(
         results["name"],
-        f"HF Llama {args['n_layer']}x{args['n_embd']}, FSDP2 over {args['nproc']} processes, fp32\n"
+        f"HF {model} {args['n_layer']}x{args['n_embd']}, {args['nproc']} processes, fp32\n"
         f"{results['machine'].get('gpu', results['machine']['cpu'])}, 1-minute load average {load['start']:.1f} at "
         f"start, {load['end']:.1f} at end",
         {
-            "wall time per step (median)": {v: results[v]["median_s"] * 1000 for v in VARIANTS},
-            "CPU time per step (all processes)": {v: results[v]["cpu_s"] * 1000 for v in VARIANTS},
+            "wall time per step (median)": {v: results[v]["median_s"] * 1000 for v in names},
+            "CPU time per step (all processes)": {v: results[v]["cpu_s"] * 1000 for v in names},
         },
         "ms",
     )
@@ -293,6 +318,7 @@ def main() -> None:
     parser.add_argument("--vocab-size", type=int, default=2048)
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--global-batch", type=int, default=8)
+    parser.add_argument("--moe", type=int, default=0, help="a Qwen3-MoE with this many experts (default: a Llama)")
     args = parser.parse_args()
     if in_worker():
         worker(args)
@@ -303,7 +329,7 @@ def main() -> None:
     info = {**machine(), "transformers": transformers.__version__, "accelerate": accelerate.__version__}
     command = " ".join(["python benchmarks/hf.py", *sys.argv[1:]])
     results: dict[str, Any] = {"machine": info, "command": command, "args": vars(args)}
-    names = ("repeats", "steps", "warmup", "n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "seq_len")
+    names = ("repeats", "steps", "warmup", "n_layer", "n_head", "n_kv_head", "n_embd", "vocab_size", "seq_len", "moe")
     load = os.getloadavg()[0]  # other jobs on the machine: the figures are only as quiet as it was
     with tempfile.TemporaryDirectory(prefix="parallelkit-bench-hf-") as directory:
         save_initial_weights(args, Path(directory))
@@ -311,10 +337,10 @@ def main() -> None:
         launch(__file__, args.nproc, [f"--pretrained={directory}", *forward(args, (*names, "global_batch"))], out)
         results |= json.loads(out.read_text())
     results["load_average_1min"] = {"start": load, "end": os.getloadavg()[0]}
-    results["name"] = "hf_cuda" if accelerator() == "cuda" else "hf"  # results/<name>.{json,png}
+    results["name"] = ("hf_moe" if args.moe else "hf") + ("_cuda" if accelerator() == "cuda" else "")  # results/<name>.*
     write(results["name"], results)
     draw(results)
-    for v in VARIANTS:
+    for v in variants(args):
         r = results[v]
         print(f"{v}: {r['median_s'] * 1e3:.1f} ms (IQR {r['iqr_s'] * 1e3:.1f}), CPU {r['cpu_s'] * 1e3:.1f} ms per step")
     print({k: f"{r['median']:.3f} (CPU {r['cpu']:.3f})" for k, r in results["ratios"].items()})

@@ -288,6 +288,7 @@ class StateBytes(L.Callback):
             "trainable_params": _local_bytes(p for p in params if p.requires_grad),
             "grads": _local_bytes(p.grad for p in params if p.grad is not None),
             "optimized_params": sum(len(o.state) for o in trainer.optimizers),
+            "expert_params": _local_bytes(p for n, p in pl_module.named_parameters() if ".experts." in n),
         }
         parts["optimizer"] = parts["bytes"] - parts["params"] - parts["grads"]
         os.makedirs(self.out_dir, exist_ok=True)

@@ -188,6 +188,14 @@ def grouped_mm_runs(x: Any, weight: Any) -> bool:
     return all(size % per_16_bytes == 0 for size in weight.shape[1:]) and type(weight) is type(x)
 
 
+def in_backward() -> bool:
+    """Whether autograd is running a backward pass now (as when activation checkpointing recomputes a forward).
+    torch 2.13: `torch._C._current_graph_task_id()`, -1 outside a backward."""
+    import torch
+
+    return torch._C._current_graph_task_id() != -1
+
+
 def all_to_all_autograd(tensor: Any, output_sizes: list[int], input_sizes: list[int], group: Any) -> Any:
     """Rows of `tensor` exchanged within `group` (`input_sizes` rows to each rank, `output_sizes` from each), with a
     backward that sends the gradients back. torch 2.13: `_functional_collectives.all_to_all_single_autograd` (the
@@ -331,6 +339,15 @@ def hf_ep_plan(model: Module) -> dict[str, str]:
     `config.base_model_ep_plan`, prefixed with the base model's name (as `hf_tp_plan`'s entries are)."""
     base = model.base_model_prefix
     return {f"{base}.{name}": style for name, style in (getattr(model.config, "base_model_ep_plan", None) or {}).items()}
+
+
+def hf_conversions(model: Module) -> list[Any]:
+    """How a transformers model's tensors are saved when they differ from how it holds them (fused experts saved one
+    expert at a time, legacy names): `WeightRenaming`/`WeightConverter` objects, as `from_pretrained` applies them.
+    transformers 5.x: `conversion_mapping.get_model_conversion_mapping` (not exported at the top level; PEFT uses it)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return list(get_model_conversion_mapping(model))
 
 
 def hf_supports_sdpa(config: Any) -> bool:

@@ -121,6 +121,11 @@ class Layer:
     trainable: int
     """Parameters that get gradients (all but a LoRA model's frozen base); `tp_trainable` of them are tp-sharded."""
     tp_trainable: int
+    experts: int = 0
+    """Parameters of its experts modules (divided over an ep axis instead of gathered whole over it)."""
+    trainable_experts: int = 0
+    routed: float = 0.0
+    """Bytes per sample of the token copies its experts modules are sent (tokens x top-k x hidden, fp32)."""
 
 
 @dataclass
@@ -131,6 +136,8 @@ class ModelProfile:
     flops_per_token: float
     valid_tp: dict[int, str] = field(default_factory=dict)
     """tp degree -> "" when the model's plan allows it, else the reason."""
+    num_experts: int = 0
+    """Experts per mixture-of-experts layer (the fewest of any), 0 for a dense model: ep must divide it."""
 
     @property
     def params(self) -> int:
@@ -169,12 +176,18 @@ class Estimate:
         return {**asdict(self), "state": self.state, "tensor_peak": self.tensor_peak, "peak": self.peak}
 
 
+_GROUPED_MM = tuple(getattr(module, "grouped_mm", None) for module in (torch.nn.functional,)) + (
+    getattr(torch, "_grouped_mm", None),
+)
+
+
 class _MetaForward(torch.overrides.TorchFunctionMode):
     """What a meta forward needs to count what a real one keeps.
 
     Meta tensors pick SDPA's math path, which keeps the T x T attention matrix; real runs use a flash kernel that
     keeps q, k, v, the output and the log-sum-exp: attention is run as that kernel (grouped-query key/value heads
-    repeated, as the kernel takes them). And a meta tensor has no value to branch on: model code that asks one
+    repeated, as the kernel takes them). An experts module's grouped GEMM, whose meta kernel takes bf16 only, runs as
+    one matrix multiply of the same shapes. And a meta tensor has no value to branch on: model code that asks one
     for a truth value (transformers checks whether positions restart, i.e. sequences are packed) is told "true",
     the unpacked, unpadded case of a training batch of full windows."""
 
@@ -182,6 +195,9 @@ class _MetaForward(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.__bool__ and args[0].is_meta:
             return True
+        if func in _GROUPED_MM and args[0].is_meta:
+            # Experts' grouped GEMM, whose meta kernel takes bf16 only: the same output shape and saved input.
+            return torch.matmul(args[0], args[1][0])
         if func is torch.nn.functional.scaled_dot_product_attention and kwargs.get("attn_mask") is None:
             q, k, v = args[:3]
             if k.shape[-3] != q.shape[-3]:  # grouped-query attention
@@ -208,6 +224,8 @@ def profile(
     plan = resolved.plan
     names = list(resolved.pipeline_layers)  # none when not pipelinable (e.g. tied embeddings): no pipeline layout
     units = set(resolved.fsdp_units)
+    experts = [model.get_submodule(name) for name in resolved.experts]
+    expert_params = {id(p) for module in experts for p in module.parameters()}
     sharded: set[int] = set()
     tp_modules: list[tuple[nn.Module, str]] = []
     styles = expand_tp(model, plan) if plan.tp else {}
@@ -224,6 +242,7 @@ def profile(
     marks: dict[str, list[float]] = {}
     gathered: dict[int, float] = {}
     scattered: dict[int, float] = {}
+    routed: dict[int, float] = {}
     outputs: dict[str, float] = {}
     handles = []
 
@@ -246,6 +265,11 @@ def profile(
     for name in names:
         layer = model.get_submodule(name)
         handles += [layer.register_forward_pre_hook(enter(name)), layer.register_forward_hook(leave(name))]
+    def copies(module: nn.Module, args: Any) -> None:  # (tokens [N, H], top_k_index [N, k], ...)
+        tokens, index = args[0], args[1]
+        routed[id(module)] = float(tokens.shape[0] * index.shape[-1] * tokens.shape[-1] * 4)
+
+    handles += [module.register_forward_pre_hook(copies) for module in experts]
     for module, style in tp_modules:
         # Sequence parallelism all-gathers a column-wise layer's input (which autograd then keeps whole), once for
         # all of them in a gather_input module, and reduce-scatters a row-wise layer's output.
@@ -285,6 +309,9 @@ def profile(
                 unit=name in units,
                 trainable=sum(p.numel() for p in params if p.requires_grad),
                 tp_trainable=sum(p.numel() for p in params if p.requires_grad and id(p) in sharded),
+                experts=sum(p.numel() for p in params if id(p) in expert_params),
+                trainable_experts=sum(p.numel() for p in params if p.requires_grad and id(p) in expert_params),
+                routed=sum(v for k, v in routed.items() if k in members),
             )
         )
     valid: dict[int, str] = {}
@@ -297,7 +324,8 @@ def profile(
             valid[tp] = str(err)
     flops = plan.flops_per_token
     flops_per_token = flops(seq_len) if flops is not None else 6.0 * sum(layer.params for layer in layers)
-    return ModelProfile(plan.description, layers, loss_activations, flops_per_token, valid)
+    fewest = min((module.num_experts for module in experts), default=0)
+    return ModelProfile(plan.description, layers, loss_activations, flops_per_token, valid, fewest)
 
 
 def _in_flight(schedule: str | None, pp: int, stage: int, microbatches: int, virtual: int) -> float:
@@ -327,7 +355,8 @@ def estimate(
     """Per-device memory, communication and step time of `spec` (resolved) for this workload: the figures of
     its most loaded rank. `stages`: the pipeline stages in order (pp x virtual of them; rank r holds stages
     r, r + pp, ...)."""
-    pp, rep, fsdp, tp = (spec.size(a) for a in ("pp", "replicate", "fsdp", "tp"))
+    pp, rep, fsdp, ep, tp = (spec.size(a) for a in ("pp", "replicate", "fsdp", "ep", "tp"))
+    sharding = fsdp * ep  # dense parameters are sharded over fsdp x ep; experts divided over ep, sharded over fsdp
     stages = stages or [prof.layers]
     v = len(stages) // pp
     m = microbatches or (Schedule(schedule or "1f1b", pp, v).microbatches if pp > 1 else 1)  # PipelineStrategy's
@@ -340,6 +369,10 @@ def estimate(
 
     def local_trainable(layers: Iterable[Layer]) -> float:
         return sum(layer.tp_trainable / tp + layer.trainable - layer.tp_trainable for layer in layers)
+
+    def whole(layers: Iterable[Layer]) -> float:
+        """What FSDP gathers of `layers` on a rank: dense parameters whole, experts this rank's ep share."""
+        return sum(local_params([layer]) - layer.experts * (1 - 1 / ep) for layer in layers)
 
     def activations(layer: Layer) -> float:
         if work.activation_checkpointing and layer.unit:
@@ -354,23 +387,31 @@ def estimate(
         mine = [(i, stage) for i, stage in enumerate(stages) if i % pp == rank]
         layers = [layer for _, stage in mine for layer in stage]
         tp_params = local_params(layers)
-        shard = tp_params / fsdp
+        shard = tp_params / sharding
         trained = local_trainable(layers)  # of tp_params: what has gradients and optimizer state
+        reduced = trained - sum(layer.trainable_experts for layer in layers) * (1 - 1 / ep)  # experts: over fsdp
         in_flight = _in_flight(schedule if pp > 1 else None, pp, rank, m, v)
         acts = sum(activations(layer) for layer in layers) * in_flight * samples
         if work.activation_checkpointing:  # one unit at a time is recomputed whole in backward
             acts += max((layer.activations * cb / tp for layer in layers if layer.unit), default=0.0) * samples
         if any(i == len(stages) - 1 for i, _ in mine):
             acts += prof.loss_activations * cb * samples
-        units = [local_params([layer]) for layer in layers if layer.unit]
-        gathered = 0.0 if fsdp == 1 else (tp_params - sum(units) + 2 * max(units, default=0.0)) * work.compute_bytes
+        units = [whole([layer]) for layer in layers if layer.unit]
+        all_gathered = whole(layers)
+        gathered = 0.0
+        if sharding > 1:
+            gathered = (all_gathered - sum(units) + 2 * max(units, default=0.0)) * work.compute_bytes
         comm: dict[str, float] = {}
-        if fsdp > 1:
+        if sharding > 1:
             # Default resharding re-gathers every unit but the last in backward; pipelines keep them gathered.
             regathered = 0.0 if pp > 1 else sum(units[:-1])
-            comm["fsdp"] = (tp_params + regathered) * work.compute_bytes * work.accumulate + trained * 4
+            axis = "fsdp" if fsdp > 1 else "ep"
+            comm[axis] = (all_gathered + regathered) * work.compute_bytes * work.accumulate + reduced * 4
+        if ep > 1:  # the token copies to their experts and back, in forward and backward
+            copies = sum(layer.routed for layer in layers) * cb * work.micro_batch * work.accumulate
+            comm["ep"] = comm.get("ep", 0.0) + 4 * copies
         if rep > 1:
-            comm["replicate"] = trained / fsdp * 4
+            comm["replicate"] = trained / sharding * 4
         if tp > 1:
             comm["tp"] = 2 * sum(layer.tp_traffic for layer in layers) * cb * work.micro_batch * work.accumulate
         if pp > 1:
@@ -383,12 +424,12 @@ def estimate(
             compute /= 1 - (pp - 1) / (v * m + pp - 1)
         seconds = compute + sum(b / (_bandwidth(spec, axis, hw) * 1e9) for axis, b in comm.items())
         slowest = max(slowest, seconds)
-        grads = trained / fsdp * 4
+        grads = trained / sharding * 4
         e = Estimate(str(spec), schedule, shard * 4, grads, grads * states, acts, gathered, comm, seconds)
         if worst is None or e.peak > worst.peak:
             worst = e
     worst.step_s = slowest
-    worst.tokens_per_s = work.micro_batch * work.seq_len * work.accumulate * rep * fsdp / slowest
+    worst.tokens_per_s = work.micro_batch * work.seq_len * work.accumulate * rep * sharding / slowest
     worst.fits = worst.peak <= hw.device_memory
     return worst
 
@@ -408,7 +449,8 @@ def candidates(
 ) -> list[tuple[MeshSpec, str | None]]:
     """Every mesh (and pipeline schedule) the model and the machines allow: tp inside a node and allowed by the
     model's plan, pp no deeper than its pipeline layers with whole microbatches, the rest fsdp, or HSDP (shard
-    within a node, replicate across nodes)."""
+    within a node, replicate across nodes); for a mixture-of-experts model, part of the sharded axis as ep (dividing
+    its experts, ep x tp inside a node)."""
     found: list[tuple[MeshSpec, str | None]] = []
     world = hw.world_size
     for tp in _divisors(hw.devices_per_node):
@@ -424,9 +466,16 @@ def candidates(
             per_node = hw.devices_per_node // tp if pp == 1 else 0
             if hw.nodes > 1 and per_node and dp % per_node == 0 and dp // per_node > 1:
                 layouts.append((dp // per_node, per_node))
-            for rep, fsdp in layouts:
-                sizes = [s for s in (pp, rep, fsdp, tp)]
-                names = ["pp", "replicate", "fsdp", "tp"]
+            # Expert parallelism takes part of the sharded axis: ep divides the experts and, with tp, stays in a node.
+            splits = [
+                (rep, fsdp // ep, ep)
+                for rep, fsdp in layouts
+                for ep in _divisors(fsdp)
+                if ep == 1 or (prof.num_experts % ep == 0 and ep * tp <= hw.devices_per_node)
+            ]
+            for rep, fsdp, ep in splits:
+                sizes = [s for s in (pp, rep, fsdp, ep, tp)]
+                names = ["pp", "replicate", "fsdp", "ep", "tp"]
                 keep = [i for i, (s, n) in enumerate(zip(sizes, names)) if s > 1 or n in ("fsdp", "tp")]
                 spec = MeshSpec(tuple(sizes[i] for i in keep), tuple(names[i] for i in keep))
                 for schedule in ["1f1b", "interleaved_1f1b"] if pp > 1 else [None]:

@@ -2,12 +2,14 @@
 
 from parallelkit.callbacks.activations import ActivationMemoryMonitor
 from parallelkit.callbacks.comm import CommunicationMonitor
+from parallelkit.callbacks.experts import ExpertMonitor
 from parallelkit.callbacks.monitors import RankMonitor, ThroughputMonitor
 from parallelkit.callbacks.preemption import PreemptionCheckpoint
 
 __all__ = [
     "ActivationMemoryMonitor",
     "CommunicationMonitor",
+    "ExpertMonitor",
     "PreemptionCheckpoint",
     "RankMonitor",
     "ThroughputMonitor",

@@ -27,6 +27,7 @@ from parallelkit.init import building_on_meta, materialize, meta_parameters, set
 from parallelkit.lora import LoRA, add_adapters, as_lora, config_dict, is_adapter, reset_adapters
 from parallelkit.models.hf_config import _transformers, build_config
 from parallelkit.models.hf_families import PIPELINE_FAMILIES, TP_FAMILIES
+from parallelkit.models.hf_convert import ConvertedWeights
 from parallelkit.models.hf_io import SafetensorsWeights, load_weights
 from parallelkit.models.lm import CausalLM
 
@@ -108,6 +109,7 @@ class HFCausalLM(CausalLM):
                 ) from err
         self._plan: ParallelPlan | None = None
         self._module_names: dict[str, str] | None = None
+        self._aux_loss: torch.Tensor | None = None
         with meta_parameters():
             add_adapters(self, lora)
         if eager:
@@ -141,7 +143,7 @@ class HFCausalLM(CausalLM):
         `_init_weights` for every module). Strategies call it after materialising a meta-device model;
         `parallelkit.init` makes a random initialisation layout-independent."""
         if self.pretrained_weights is not None:
-            load_weights(self.model, self.pretrained_weights, skip=is_adapter)
+            load_weights(self.model, ConvertedWeights(self.pretrained_weights, self.model), skip=is_adapter)
         else:
             for name, param in self.model.named_parameters():  # marks what transformers' initialisation leaves
                 if not param.is_meta and not is_adapter(name):  # (the adapters are reset below)
@@ -175,7 +177,24 @@ class HFCausalLM(CausalLM):
         # logit_scale, Granite's logits_scaling, Gemma's final softcapping) is done as transformers does it. Positions
         # too are the model's own: under sequence parallelism the embedding's output, from which transformers counts
         # them, still holds the whole sequence (the stream is sharded from the first decoder layer on).
-        return self.model(input_ids=input_ids, use_cache=False).logits
+        if not self._router_loss:
+            return self.model(input_ids=input_ids, use_cache=False).logits
+        # A mixture-of-experts config asking for its routers' load-balancing loss: the model's own, from this batch.
+        output = self.model(input_ids=input_ids, use_cache=False, output_router_logits=True)
+        self._aux_loss = output.aux_loss
+        return output.logits
+
+    @property
+    def _router_loss(self) -> bool:
+        """Whether the config enables the routers' auxiliary loss (transformers' `output_router_logits`)."""
+        return bool(getattr(self.config, "output_router_logits", False)) and hasattr(self.config, "router_aux_loss_coef")
+
+    @override
+    def auxiliary_loss(self) -> torch.Tensor | float:
+        """`router_aux_loss_coef` x the load-balancing loss of the last forward, as transformers adds it to the loss
+        (0 unless the config sets `output_router_logits`)."""
+        aux, self._aux_loss = self._aux_loss, None
+        return 0.0 if aux is None else self.config.router_aux_loss_coef * aux
 
     # -- the parallel plan -----------------------------------------------------------------------------------
     def _names(self) -> dict[str, str]:
@@ -367,6 +386,12 @@ class HFCausalLM(CausalLM):
                 f"transformers' pipeline plan for {model_type} names {missing}, which the model does not have. Fix: "
                 "train it with fsdp_tp."
             )
+        if self._router_loss:
+            return (
+                f"{model_type}'s config sets output_router_logits: its load-balancing loss is computed from every "
+                "layer's router logits together, which no one pipeline stage holds. Fix: output_router_logits: false "
+                "in the config, or train it without pp (fsdp, ep, tp)."
+            )
         if model_type not in PIPELINE_FAMILIES:
             return (
                 f"pipeline stages run a Hugging Face model's decoder layers one by one, with what its base model "
@@ -464,9 +489,17 @@ class HFCausalLM(CausalLM):
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token of the layers this module holds: 6 per weight of every
         linear layer (transformers' Conv1D, GPT-2's, included; the embedding lookup is none), plus 12 x (heads x
-        head_dim) x sequence length per attention layer for scores and values."""
+        head_dim) x sequence length per attention layer for scores and values. A mixture-of-experts layer's experts
+        count for the share a token goes through (`num_experts_per_tok` of `num_experts`)."""
         config = self.config
         linear = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear) or _is_conv1d(m))
+        held = dict(self.named_modules())
+        for name in self.parallel_plan().experts:
+            experts = held.get(name)
+            if experts is not None:  # not on a pipeline rank that dropped its layer
+                count = getattr(experts, "expert_dispatch", experts).num_experts
+                routed = getattr(config, "num_experts_per_tok", None) or count
+                linear += sum(p.numel() for p in experts.parameters()) * routed / count
         heads = getattr(config, "num_attention_heads", None) or 0
         head_dim = getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)
         attention = sum(1 for name, _ in self.named_modules() if name.rpartition(".")[2] in ("self_attn", "attn"))

@@ -36,6 +36,11 @@ class CausalLM(L.LightningModule):
         # Under loss parallelism the loss is a replicated DTensor; logging and metrics want a plain tensor.
         return loss.to_local() if isinstance(loss, DTensor) else loss
 
+    def auxiliary_loss(self) -> torch.Tensor | float:
+        """What the model adds to the training loss besides the cross-entropy, from its last forward (0 here; a
+        mixture-of-experts `HFCausalLM` adds its routers' load-balancing loss when its config asks for it)."""
+        return 0.0
+
     @override
     def setup(self, stage: str) -> None:
         # Metrics average over the data-parallel group only: tp/pp ranks of one replica hold the same batch.
@@ -45,7 +50,7 @@ class CausalLM(L.LightningModule):
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         x, y = batch
-        loss = self.pipeline_loss(self(x), y)
+        loss = self.pipeline_loss(self(x), y) + self.auxiliary_loss()
         self.log("train_loss", loss, on_step=True, prog_bar=True, sync_dist=True, sync_dist_group=self.dp_group)
         return loss
 

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from parallelkit.compat import all_to_all_autograd
+from parallelkit.compat import all_to_all_autograd, in_backward
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -53,9 +53,9 @@ def expert_parameters(modules: list[nn.Module]) -> set[nn.Parameter]:
 class ExpertDispatch:
     """The forward of one experts module whose experts are divided over an ep group (see the module docstring).
 
-    Installed as the module's `forward`; the module's class forward computes the experts this rank holds, with
-    `num_experts` set to their count. `tokens_per_expert` keeps the last step's routed tokens per global expert
-    (what this rank's router sent, before the exchange) for the monitors.
+    Installed as the module's `forward` (and as its `expert_dispatch`); the module's class forward computes the
+    experts this rank holds, with `num_experts` set to their count. `computed` counts the token copies this rank's
+    experts computed in forward passes (an activation-checkpoint recompute not counted), for the monitors.
     """
 
     def __init__(self, module: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -67,7 +67,7 @@ class ExpertDispatch:
         self.local_experts = self.num_experts // self.ep
         self.compute = type(module).forward
         self.signature = inspect.signature(self.compute)
-        self.tokens_per_expert: torch.Tensor | None = None
+        self.computed = 0
         for name, param in list(module.named_parameters(recurse=False)):
             if not isinstance(param, DTensor):
                 # src_data_rank=None: each rank keeps its slice of its own copy (they are equal: one seed), no send.
@@ -94,7 +94,6 @@ class ExpertDispatch:
         flat = index.reshape(-1)
         order = flat.argsort(stable=True)  # token copies by expert, each expert's in token order
         counts = torch.bincount(flat, minlength=self.num_experts)
-        self.tokens_per_expert = counts.detach()
         received_counts = torch.empty_like(counts)  # (source rank, local expert), flattened
         dist.all_to_all_single(received_counts, counts, group=self.group)
         send = counts.view(self.ep, self.local_experts).sum(1).tolist()
@@ -103,6 +102,7 @@ class ExpertDispatch:
         received = _all_to_all(hidden.index_select(0, token), receive, send, self.group)
         experts = torch.arange(self.local_experts, device=flat.device).repeat(self.ep)
         local = experts.repeat_interleave(received_counts)
+        self.computed += 0 if in_backward() else local.numel()
         by_expert = local.argsort(stable=True)
         computed = self.run_local(module, received.index_select(0, by_expert), local.index_select(0, by_expert))
         back = computed.index_select(0, by_expert.argsort())
