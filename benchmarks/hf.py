@@ -337,7 +337,9 @@ def main() -> None:
         launch(__file__, args.nproc, [f"--pretrained={directory}", *forward(args, (*names, "global_batch"))], out)
         results |= json.loads(out.read_text())
     results["load_average_1min"] = {"start": load, "end": os.getloadavg()[0]}
-    results["name"] = ("hf_moe" if args.moe else "hf") + ("_cuda" if accelerator() == "cuda" else "")  # results/<name>.*
+    results["name"] = ("hf_moe" if args.moe else "hf") + (
+        "_cuda" if accelerator() == "cuda" else ""
+    )  # results/<name>.*
     write(results["name"], results)
     draw(results)
     for v in variants(args):

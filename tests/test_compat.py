@@ -42,6 +42,9 @@ CALLABLES = {
     "torch.distributed.device_mesh.DeviceMesh._flatten": "(self, mesh_dim_name=None, backend_override=None)",
     "torch.distributed._composable.checkpoint": "(module, **kwargs)",
     "torch.nn.Module._apply": "(self, fn, recurse=True)",
+    "torch.distributed._functional_collectives.all_to_all_single_autograd": (
+        "(self, output_split_sizes, input_split_sizes, group, tag='')"
+    ),
     **compat.OVERRIDDEN,
 }
 """Private functions and methods parallelkit calls or overrides, with the parameters it relies on."""
@@ -101,6 +104,18 @@ def test_private_tensor_apis_still_answer():
     assert not compat.saved_tensors_hooks_active()
     with torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
         assert compat.saved_tensors_hooks_active()
+    x, w = torch.randn(6, 8), torch.randn(2, 4, 8)  # compat.grouped_mm: rows 0-2 by expert 0, 3-5 by expert 1
+    expected = torch.cat([x[:3] @ w[0].T, x[3:] @ w[1].T])
+    assert compat.grouped_mm_runs(x, w)
+    torch.testing.assert_close(
+        compat.grouped_mm(x, w.transpose(-2, -1), torch.tensor([3, 6], dtype=torch.int32)), expected
+    )
+    seen = []
+    y = torch.ones(1, requires_grad=True) * 2
+    y.register_hook(lambda grad: seen.append(compat.in_backward()))
+    y.backward()
+    assert seen == [True] and not compat.in_backward()
+    assert "weight" in compat.registered_parameters(torch.nn.Linear(1, 1))
     pending = AsyncCollectiveTensor(torch.ones(2, requires_grad=True))
     settled = compat.settle_async_collectives({"x": (pending, 1)})
     assert type(settled["x"][0]) is torch.Tensor and settled["x"][1] == 1
@@ -121,6 +136,11 @@ def test_transformers_private_names_still_answer():
         compat.hf_initialize(model)
     assert weight.std() > 0
     assert compat.hf_supports_sdpa(model.config)
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 8, "head_dim": 8}
+    experts = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_moe", vocab_size=8, **sizes, **moe))
+    assert compat.hf_ep_plan(experts)["model.layers.*.mlp.experts"] == "ep_dispatch_experts"
+    converters = [t for t in compat.hf_conversions(experts) if type(t).__name__ == "WeightConverter"]
+    assert any(t.target_patterns == ["mlp.experts.gate_up_proj"] for t in converters)
     assert not compat.hf_supports_sdpa(AutoConfig.for_model("gemma2"))
 
 

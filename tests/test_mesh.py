@@ -60,3 +60,12 @@ def test_coordinates_are_row_major_with_tp_innermost():
 def test_pipeline_ranks_share_data_parallel_rank():
     spec = MeshSpec.parse([[2, 2], ["pp", "fsdp"]])
     assert [spec.dp_rank(r) for r in range(4)] == [0, 1, 0, 1]
+
+
+def test_ep_is_a_data_parallel_axis_between_fsdp_and_tp():
+    spec = MeshSpec.parse([[2, 2, 2], ["fsdp", "ep", "tp"]])
+    assert spec.dp_size == 4  # every fsdp x ep rank sees its own samples; tp ranks share them
+    assert [spec.dp_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert spec.coordinates(6) == {"fsdp": 1, "ep": 1, "tp": 0}
+    with pytest.raises(MeshError, match=r"they go outer to inner as \['fsdp', 'ep', 'tp'\]"):
+        MeshSpec.parse([[2, 2, 2], ["fsdp", "tp", "ep"]])

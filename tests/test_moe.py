@@ -45,6 +45,7 @@ MODELS = {
     "qwen3_moe": (),
     "mixtral": (f"--model.init_args.config={json.dumps(MIXTRAL)}",),
     "qwen2_moe_shared": (f"--model.init_args.config={json.dumps(QWEN2_MOE)}",),
+    "qwen3_moe_lora": ('--model.init_args.lora={"rank": 8, "alpha": 16, "targets": ["q_proj", "v_proj", "o_proj"]}',),
     "gpt_moe": (
         "--model=parallelkit.models.GPT",
         "--model.init_args.n_layer=2",
@@ -58,7 +59,12 @@ ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_ar
 
 
 def mesh(shape: str, batch_size: int, *extra: str) -> tuple[str, ...]:
-    return (f"--trainer.strategy.mesh_shape={shape}", "--trainer.devices=4", f"--data.init_args.batch_size={batch_size}", *extra)
+    return (
+        f"--trainer.strategy.mesh_shape={shape}",
+        "--trainer.devices=4",
+        f"--data.init_args.batch_size={batch_size}",
+        *extra,
+    )
 
 
 LAYOUTS = {
@@ -75,9 +81,13 @@ LAYOUTS = {
 
 RUNS = [
     *(("qwen3_moe", layout) for layout in LAYOUTS if layout != "fsdp_ep"),  # fsdp_ep: the shared run below
-    *(("mixtral", layout) for layout in LAYOUTS),
+    # Mixtral's MoE block is Qwen3-MoE's mechanism under other names: two layouts here (its other two by hand,
+    # recorded on the issue), to keep the suite's launches few.
+    ("mixtral", "ep4"),
+    ("mixtral", "1f1b_pp_ep"),
     ("gpt_moe", "fsdp_ep"),
     ("qwen2_moe_shared", "ep4"),
+    ("qwen3_moe_lora", "ep_tp"),  # adapters on the attention projections, tp-split with their layers
 ]
 
 
@@ -159,7 +169,9 @@ def test_a_pretrained_moe_directory_loads_sharded_and_exports_what_transformers_
     torch.manual_seed(7)  # not the runs' seed
     AutoModelForCausalLM.from_config(AutoConfig.for_model(**QWEN3_MOE)).save_pretrained(pretrained)
     finetune = (f"--model.init_args.pretrained={pretrained}", "--model.init_args.config=null")
-    save = callback("lightning.pytorch.callbacks.ModelCheckpoint", dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4)
+    save = callback(
+        "lightning.pytorch.callbacks.ModelCheckpoint", dirpath=str(tmp_path / "ckpt"), every_n_train_steps=4
+    )
     runs = {"one": ("--trainer.strategy=fsdp_tp", *ONE_PROCESS[1:]), "fsdp_ep": (save,)}
     for name, layout in runs.items():
         assert_ok(fit(CONFIG, tmp_path / name, *common(corpus, tmp_path / "cache", steps=4), *finetune, *layout))
@@ -186,7 +198,9 @@ def test_ep_not_dividing_the_experts_a_dense_model_and_a_family_without_an_ep_pl
     with pytest.raises(PlanError, match=r"no expert-parallel plan for doge.*Fix: train it without an ep axis"):
         resolve(HFCausalLM(tiny_config("doge")), ep=2)  # experts of its own kind, no base_model_ep_plan
     # Before launch: the CLI's own check, in the launching process, no worker started.
-    proc = fit(CONFIG, tmp_path, "--trainer.max_steps=1", *mesh('[[1, 3], ["fsdp", "ep"]]', 2)[:1], "--trainer.devices=3")
+    proc = fit(
+        CONFIG, tmp_path, "--trainer.max_steps=1", *mesh('[[1, 3], ["fsdp", "ep"]]', 2)[:1], "--trainer.devices=3"
+    )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]
     assert "ep=3, which does not divide the 8 experts" in output and "Initializing distributed" not in output
@@ -206,7 +220,7 @@ def test_the_routers_load_balancing_loss_is_transformers_own_and_expert_parallel
     assert model.auxiliary_loss() == 0.0  # the last forward's, taken once
     with pytest.raises(PlanError, match="output_router_logits.*which no one pipeline stage holds"):
         resolve(model, num_stages=2)
-    aux = (f"--model.init_args.config={json.dumps(config)}", *common(corpus, tmp_path / "cache", steps=10))
+    aux = (f"--model.init_args.config={json.dumps(config)}", *common(corpus, tmp_path / "cache", steps=5))
     fsdp4 = mesh('[[4], ["fsdp"]]', 2)
     for name, layout in {"ep": LAYOUTS["fsdp_ep"], "fsdp": fsdp4}.items():
         assert_ok(fit(CONFIG, tmp_path / name, *aux, *layout))

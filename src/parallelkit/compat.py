@@ -4,6 +4,8 @@ parallelkit hooks into internals that Lightning and torch do not promise to keep
 function here, so an upgrade that renames or removes one fails in this file; `tests/test_compat.py` lists every
 private name below, checks that each still exists with the signature used here, and that no other module reaches
 for a private name of its own. Overrides of private methods are listed in `OVERRIDDEN`.
+
+Over 400 lines: its point is to hold every such name in one file, each in a small function of its own.
 """
 
 from __future__ import annotations
@@ -188,6 +190,13 @@ def grouped_mm_runs(x: Any, weight: Any) -> bool:
     return all(size % per_16_bytes == 0 for size in weight.shape[1:]) and type(weight) is type(x)
 
 
+def registered_parameters(module: Module) -> dict[str, Any]:
+    """`module`'s own parameters by name, as the dict it looks them up in: a tensor put there is what the module's
+    forward sees under that name, without registration (FSDP2 swaps gathered parameters in the same way). torch:
+    `nn.Module._parameters`."""
+    return module._parameters
+
+
 def in_backward() -> bool:
     """Whether autograd is running a backward pass now (as when activation checkpointing recomputes a forward).
     torch 2.13: `torch._C._current_graph_task_id()`, -1 outside a backward."""
@@ -338,13 +347,16 @@ def hf_ep_plan(model: Module) -> dict[str, str]:
     """A Hugging Face model's expert-parallel plan (module glob -> HF style name): its base model's
     `config.base_model_ep_plan`, prefixed with the base model's name (as `hf_tp_plan`'s entries are)."""
     base = model.base_model_prefix
-    return {f"{base}.{name}": style for name, style in (getattr(model.config, "base_model_ep_plan", None) or {}).items()}
+    return {
+        f"{base}.{name}": style for name, style in (getattr(model.config, "base_model_ep_plan", None) or {}).items()
+    }
 
 
 def hf_conversions(model: Module) -> list[Any]:
     """How a transformers model's tensors are saved when they differ from how it holds them (fused experts saved one
     expert at a time, legacy names): `WeightRenaming`/`WeightConverter` objects, as `from_pretrained` applies them.
-    transformers 5.x: `conversion_mapping.get_model_conversion_mapping` (not exported at the top level; PEFT uses it)."""
+    transformers 5.x: `conversion_mapping.get_model_conversion_mapping` (not exported at the top level; PEFT uses
+    it)."""
     from transformers.conversion_mapping import get_model_conversion_mapping
 
     return list(get_model_conversion_mapping(model))

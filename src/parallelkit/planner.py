@@ -265,6 +265,7 @@ def profile(
     for name in names:
         layer = model.get_submodule(name)
         handles += [layer.register_forward_pre_hook(enter(name)), layer.register_forward_hook(leave(name))]
+
     def copies(module: nn.Module, args: Any) -> None:  # (tokens [N, H], top_k_index [N, k], ...)
         tokens, index = args[0], args[1]
         routed[id(module)] = float(tokens.shape[0] * index.shape[-1] * tokens.shape[-1] * 4)

@@ -26,8 +26,8 @@ from parallelkit.errors import ConfigError, PlanError
 from parallelkit.init import building_on_meta, materialize, meta_parameters, set_whole
 from parallelkit.lora import LoRA, add_adapters, as_lora, config_dict, is_adapter, reset_adapters
 from parallelkit.models.hf_config import _transformers, build_config
-from parallelkit.models.hf_families import PIPELINE_FAMILIES, TP_FAMILIES
 from parallelkit.models.hf_convert import ConvertedWeights
+from parallelkit.models.hf_families import PIPELINE_FAMILIES, TP_FAMILIES
 from parallelkit.models.hf_io import SafetensorsWeights, load_weights
 from parallelkit.models.lm import CausalLM
 
@@ -187,7 +187,9 @@ class HFCausalLM(CausalLM):
     @property
     def _router_loss(self) -> bool:
         """Whether the config enables the routers' auxiliary loss (transformers' `output_router_logits`)."""
-        return bool(getattr(self.config, "output_router_logits", False)) and hasattr(self.config, "router_aux_loss_coef")
+        return bool(getattr(self.config, "output_router_logits", False)) and hasattr(
+            self.config, "router_aux_loss_coef"
+        )
 
     @override
     def auxiliary_loss(self) -> torch.Tensor | float:
@@ -248,19 +250,25 @@ class HFCausalLM(CausalLM):
         untranslated = {}
         experts, experts_refusal = self._experts()
         blocks = sorted({name.rpartition(".")[0] for name in experts})  # the MoE blocks: router, experts, shared
+        modules = [f"model.{name}" for name, _ in self.model.named_modules() if name]
         for pattern, style in hf_tp_plan(self.model).items():
-            if any(_within(f"model.{pattern}", block) for block in blocks):
-                continue  # a MoE block runs whole on every tp rank (gather_sequence below); experts divide over ep
+            # A MoE block runs whole on every tp rank (gather_sequence below) and its experts divide over ep: a glob
+            # reaching into MoE blocks keeps only the modules outside them (the MLPs of dense layers, if any).
+            covered = [name for name in modules if matches(f"model.{pattern}", name)]
+            outside = [name for name in covered if not any(_within(name, block) for block in blocks)]
+            if not outside and any(_within(f"model.{pattern}", block) for block in blocks):
+                continue
             if style not in HF_STYLES:
                 untranslated[pattern] = style
                 continue
-            tp[f"model.{pattern}"] = "vocab_head" if f"model.{pattern}" == names["head"] else HF_STYLES[style]
+            for name in [f"model.{pattern}"] if outside == covered else outside:
+                tp[name] = "vocab_head" if name == names["head"] else HF_STYLES[style]
         refusal = ""
         if blocks and not any(pattern.startswith(f"{names['layers']}.") for pattern in tp):
             refusal = (
-                f"transformers' tensor-parallel plan for {config.model_type} splits only its experts, which parallelkit "
-                "divides over an ep axis instead (expert parallelism): nothing else in its layers is declared to "
-                'split. Fix: an ep axis instead of tp (e.g. mesh_shape [[-1, 2], ["fsdp", "ep"]]).'
+                f"transformers' tensor-parallel plan for {config.model_type} splits only its experts, which "
+                "parallelkit divides over an ep axis instead (expert parallelism): nothing else in its layers is "
+                'declared to split. Fix: an ep axis instead of tp (e.g. mesh_shape [[-1, 2], ["fsdp", "ep"]]).'
             )
         elif not any(pattern.startswith(f"{names['layers']}.") for pattern in tp):
             refusal = (
@@ -296,10 +304,9 @@ class HFCausalLM(CausalLM):
         # A decoder layer's attention and MLP feed one input to several column-wise projections (q, k, v; gate,
         # up): gathered once at the module under sequence parallelism, not once per projection. The module then
         # sees the whole sequence too, as it must where it shapes its projections' outputs by its input's (Phi-3).
-        in_layer = f"{names['layers']}.*."
         for pattern, style in list(tp.items()):
             module = pattern.rpartition(".")[0]
-            inside = module.startswith(in_layer) and "." not in module.removeprefix(in_layer)
+            inside = matches(f"{names['layers']}.*.*", module)  # a module (glob or name) right inside a layer
             if style in ("colwise", "colwise_gather") and inside:
                 tp.setdefault(module, "gather_input")
         for block in blocks:  # after the gather_input globs, which a MoE block's name may match too

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from parallelkit.compat import all_to_all_autograd, in_backward
+from parallelkit.compat import all_to_all_autograd, in_backward, registered_parameters
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -43,11 +43,6 @@ def apply_expert_parallel(root: nn.Module, ep_mesh: DeviceMesh, resolved: Resolv
     for module in modules:
         ExpertDispatch(module, ep_mesh)
     return modules
-
-
-def expert_parameters(modules: list[nn.Module]) -> set[nn.Parameter]:
-    """Every parameter of the experts modules (FSDP shards them over other axes than the dense ones)."""
-    return {param for module in modules for param in module.parameters()}
 
 
 class ExpertDispatch:
@@ -126,17 +121,18 @@ def _local_weights(module: nn.Module, grad_scale: float) -> Iterator[list[torch.
     scaled by `grad_scale` (what parameters FSDP has gathered are the ones seen)."""
     from torch.distributed.tensor import DTensor
 
-    saved = dict(module._parameters)
+    registered = registered_parameters(module)
+    saved = dict(registered)
     local = {
         name: _ScaleGrad.apply(param.to_local(), grad_scale)
         for name, param in saved.items()
         if isinstance(param, DTensor)
     }
-    module._parameters.update(local)  # as FSDP swaps parameters in its hooks: no registration checks
+    registered.update(local)
     try:
         yield list(local.values())
     finally:
-        module._parameters.update({name: saved[name] for name in local})
+        registered.update({name: saved[name] for name in local})
 
 
 class _ScaleGrad(torch.autograd.Function):

@@ -69,7 +69,9 @@ def apply_fsdp(
     ignored = {param for module in experts for param in module.parameters()} if experts_mesh is None else None
     if experts_mesh is not None:
         for module in experts:
-            fully_shard(module, reshard_after_forward=reshard_after_forward != "never", **{**options, "mesh": experts_mesh})
+            fully_shard(
+                module, reshard_after_forward=reshard_after_forward != "never", **{**options, "mesh": experts_mesh}
+            )
     options["ignored_params"] = ignored
     for index, unit in enumerate(units):
         last = index == len(units) - 1
