@@ -40,9 +40,10 @@ class ExpertMonitor(L.Callback):
         self._names = list(resolved.experts)
         held = dict(pl_module.named_modules())
         for name in self._names:
-            if name in held:  # a pipeline rank holds its stage's layers
+            count = getattr(getattr(held.get(name), "expert_dispatch", held.get(name)), "num_experts", None)
+            if isinstance(count, int):  # and held: a pipeline rank holds its stage's layers
+                self._experts = count
                 module = held[name]
-                self._experts = getattr(module, "expert_dispatch", module).num_experts
                 self._hooks.append(module.register_forward_pre_hook(self._counter(name, module), with_kwargs=True))
 
     def _counter(self, name: str, module: torch.nn.Module) -> Any:

@@ -503,8 +503,8 @@ class HFCausalLM(CausalLM):
         held = dict(self.named_modules())
         for name in self.parallel_plan().experts:
             experts = held.get(name)
-            if experts is not None:  # not on a pipeline rank that dropped its layer
-                count = getattr(experts, "expert_dispatch", experts).num_experts
+            count = getattr(getattr(experts, "expert_dispatch", experts), "num_experts", None)
+            if isinstance(count, int):  # and held: a pipeline rank drops other stages' layers
                 routed = getattr(config, "num_experts_per_tok", None) or count
                 linear += sum(p.numel() for p in experts.parameters()) * routed / count
         heads = getattr(config, "num_attention_heads", None) or 0

@@ -158,7 +158,7 @@ def expand_tp(model: nn.Module, plan: ParallelPlan, tp: int | None = None) -> di
 
 
 def expert_names(model: nn.Module, plan: ParallelPlan, ep: int = 1) -> list[str]:
-    """The plan's experts globs as module names, each checked against `EXPERTS_CONTRACT` and, for ep > 1, `ep`."""
+    """The plan's experts globs as module names; for ep > 1, each checked against `EXPERTS_CONTRACT` and `ep`."""
     if ep > 1 and plan.experts_refusal:
         raise PlanError(f"{plan.description}: {plan.experts_refusal}")
     if ep > 1 and not plan.experts:
@@ -169,7 +169,7 @@ def expert_names(model: nn.Module, plan: ParallelPlan, ep: int = 1) -> list[str]
             '[[-1], ["fsdp"]]), or declare the experts modules if the model has some.'
         )
     named = select(model, plan.experts, "experts_plan") if plan.experts else []
-    for fqn, module in named:
+    for fqn, module in named if ep > 1 else ():  # unchecked when nothing divides them: they run as written
         count = getattr(module, "num_experts", None)
         params = list(module.named_parameters())
         wrong = [(name, tuple(p.shape)) for name, p in params if not p.ndim or p.shape[0] != count]
