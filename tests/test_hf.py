@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers  # noqa: F401  the [hf] extra, which .ci/run installs: missing, these tests fail (never skip)
 import yaml
+from hf_families import tiny_config
 from models import TINY_LLAMA
 from support import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses
 
@@ -196,11 +197,10 @@ def test_a_family_that_scales_its_logits_exports_a_model_with_parallelkits_logit
 
 
 def test_an_hf_style_parallelkit_does_not_translate_is_refused_by_name_under_tp_only():
-    mixtral = {**QWEN3, "model_type": "mixtral", "tie_word_embeddings": False, "num_local_experts": 2}
-    model = build(mixtral, on_meta=True)
+    model = build(tiny_config("minicpm3"), on_meta=True)  # multi-head latent attention: `mla_kv_a_proj`
     contract = declared_plan(model)  # fsdp alone needs no tp plan: the model still trains without a tp axis
     assert contract.fsdp_units == ["model.model.layers.*"]
-    with pytest.raises(PlanError, match=r"the style 'packed_colwise', which parallelkit does not translate; it trans"):
+    with pytest.raises(PlanError, match=r"the style 'mla_kv_a_proj', which parallelkit does not translate; it trans"):
         resolve(model, tp=2, plan=contract)
 
 

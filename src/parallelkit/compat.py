@@ -159,6 +159,15 @@ def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     return mesh._flatten(name)
 
 
+def mesh_with_flattened(root: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
+    """The sub-mesh of `root` over `names`, some of them axes `flatten_mesh` made (HSDP over (replicate, fsdp x ep)).
+    torch 2.13 slices those from the root mesh and warns that it will stop: there is no other way to get a 2-D mesh
+    whose second axis is a flattened one. The warning is silenced here only."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="Slicing a flattened dim from root mesh", category=UserWarning)
+        return root[names]
+
+
 def flattened_meshes(root: DeviceMesh) -> dict[str, DeviceMesh]:
     """The meshes `flatten_mesh` made from `root`, by name (torch keeps them on the root mesh)."""
     return root._flatten_mapping

@@ -20,7 +20,7 @@ from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallelkit.compat import flatten_mesh, flattened_meshes
+from parallelkit.compat import flatten_mesh, flattened_meshes, mesh_with_flattened
 from parallelkit.errors import MeshError
 
 AXES = ("pp", "replicate", "fsdp", "ep", "tp")
@@ -267,7 +267,7 @@ def dense_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     shard = [axis for axis in ("fsdp", "ep") if axis in names]
     shard_name = SHARD_MESH if len(shard) == 2 else (shard[0] if shard else None)
     if "replicate" in names and shard_name is not None:
-        return mesh["replicate", shard_name]
+        return mesh_with_flattened(mesh, ("replicate", shard_name))
     return data_parallel_mesh(mesh)
 
 

@@ -187,7 +187,7 @@ class _MetaForward(torch.overrides.TorchFunctionMode):
     Meta tensors pick SDPA's math path, which keeps the T x T attention matrix; real runs use a flash kernel that
     keeps q, k, v, the output and the log-sum-exp: attention is run as that kernel (grouped-query key/value heads
     repeated, as the kernel takes them). An experts module's grouped GEMM, whose meta kernel takes bf16 only, runs as
-    one matrix multiply of the same shapes. And a meta tensor has no value to branch on: model code that asks one
+    one matrix multiply of the same shapes, and its count of tokens per expert (a value) is zeros. And a meta tensor has no value to branch on: model code that asks one
     for a truth value (transformers checks whether positions restart, i.e. sequences are packed) is told "true",
     the unpacked, unpadded case of a training batch of full windows."""
 
@@ -195,6 +195,8 @@ class _MetaForward(torch.overrides.TorchFunctionMode):
         kwargs = kwargs or {}
         if func is torch.Tensor.__bool__ and args[0].is_meta:
             return True
+        if func is torch.bincount and args[0].is_meta:  # counts of routed tokens: their sizes, not their values
+            return torch.zeros(max(kwargs.get("minlength", 0), 1), dtype=torch.int64, device="meta")
         if func in _GROUPED_MM and args[0].is_meta:
             # Experts' grouped GEMM, whose meta kernel takes bf16 only: the same output shape and saved input.
             return torch.matmul(args[0], args[1][0])
@@ -472,7 +474,7 @@ def candidates(
                 (rep, fsdp // ep, ep)
                 for rep, fsdp in layouts
                 for ep in _divisors(fsdp)
-                if ep == 1 or (prof.num_experts % ep == 0 and ep * tp <= hw.devices_per_node)
+                if ep == 1 or (prof.num_experts and prof.num_experts % ep == 0 and ep * tp <= hw.devices_per_node)
             ]
             for rep, fsdp, ep in splits:
                 sizes = [s for s in (pp, rep, fsdp, ep, tp)]

@@ -116,7 +116,7 @@ class Experts(nn.Module):
 def grouped_linear(x: torch.Tensor, weight: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """Rows of `x` sorted by expert, `counts[e]` of them for expert `e`, each times its expert's `weight[e]` (E, out,
     in) transposed: torch's grouped GEMM where its kernel runs (16-byte aligned rows), else one matmul per expert."""
-    if grouped_mm_runs(x, weight):
+    if grouped_mm_runs(x, weight) or x.is_meta:  # on the meta device (the planner): shapes only
         return grouped_mm(x.contiguous(), weight.transpose(-2, -1), counts.cumsum(0).to(torch.int32))
     return torch.cat([rows @ w.T for rows, w in zip(x.split(counts.tolist()), weight)])
 
