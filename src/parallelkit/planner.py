@@ -187,9 +187,10 @@ class _MetaForward(torch.overrides.TorchFunctionMode):
     Meta tensors pick SDPA's math path, which keeps the T x T attention matrix; real runs use a flash kernel that
     keeps q, k, v, the output and the log-sum-exp: attention is run as that kernel (grouped-query key/value heads
     repeated, as the kernel takes them). An experts module's grouped GEMM, whose meta kernel takes bf16 only, runs as
-    one matrix multiply of the same shapes, and its count of tokens per expert (a value) is zeros. And a meta tensor has no value to branch on: model code that asks one
-    for a truth value (transformers checks whether positions restart, i.e. sequences are packed) is told "true",
-    the unpacked, unpadded case of a training batch of full windows."""
+    one matrix multiply of the same shapes, and its count of tokens per expert (a value) is zeros. And a meta tensor
+    has no value to branch on: model code that asks one for a truth value (transformers checks whether positions
+    restart, i.e. sequences are packed) is told "true", the unpacked, unpadded case of a training batch of full
+    windows."""
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
