@@ -176,9 +176,7 @@ class Estimate:
         return {**asdict(self), "state": self.state, "tensor_peak": self.tensor_peak, "peak": self.peak}
 
 
-_GROUPED_MM = tuple(getattr(module, "grouped_mm", None) for module in (torch.nn.functional,)) + (
-    getattr(torch, "_grouped_mm", None),
-)
+_GROUPED_MM = (getattr(torch.nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
 
 
 class _MetaForward(torch.overrides.TorchFunctionMode):

@@ -33,12 +33,14 @@ class ExpertMonitor(L.Callback):
         self._names: list[str] = []
         self._experts = 1
         self._hooks: list[Any] = []
+        self._dispatches: list[Any] = []  # the experts modules' `ExpertDispatch`es, under expert parallelism
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         resolved = getattr(trainer.strategy, "resolved", None) or resolve(pl_module)
         self._names = list(resolved.experts)
         held = dict(pl_module.named_modules())
+        self._dispatches = [m.expert_dispatch for m in held.values() if getattr(m, "expert_dispatch", None)]
         for name in self._names:
             count = getattr(getattr(held.get(name), "expert_dispatch", held.get(name)), "num_experts", None)
             if isinstance(count, int):  # and held: a pipeline rank holds its stage's layers
@@ -70,13 +72,11 @@ class ExpertMonitor(L.Callback):
         for row, name in enumerate(self._names):
             if name in self._counts:
                 table[row] = self._counts[name].cpu()
-        for module in pl_module.modules():
-            dispatch = getattr(module, "expert_dispatch", None)
-            if dispatch is not None:
-                computed += dispatch.computed
-                dispatch.computed = 0
+        for dispatch in self._dispatches:
+            computed += dispatch.computed
+            dispatch.computed = 0
         routed_here = table.sum().item()
-        if not any(getattr(m, "expert_dispatch", None) for m in pl_module.modules()):
+        if not self._dispatches:
             computed = routed_here  # transformers' own loop computes every copy it is given
         local = torch.cat([table.flatten(), torch.tensor([routed_here - computed], dtype=torch.float64)]).to(device)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
