@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from fnmatch import fnmatchcase
 from typing import Any
 
+import torch
 from torch import nn
 
 STYLES = (
@@ -81,9 +82,32 @@ HEAD_COUNT_ATTRS = ("n_head", "num_heads")
 """Attributes by which a module written to the attribute contract states its head count (tp must divide it)."""
 
 
+IGNORE_INDEX = -100
+"""A target that is not one: the position is left out of the loss and of the target count (cross-entropy's default
+`ignore_index`, and transformers' label convention)."""
+
+TOKEN_BATCH = ("input_ids", "labels", "position_ids", "num_targets")
+"""The keys of a token batch, the other batch convention (`parallelkit.data.SFTDataModule` yields it): `input_ids`
+and `labels` (B, S), `labels` being each position's next token or `IGNORE_INDEX`; `position_ids` (B, S), which
+restart at 0 where a packed example begins (a token attends only to earlier tokens of its own example); and
+`num_targets`, the number of targets in the whole optimizer step (every data-parallel rank's batch, every accumulated
+micro-batch), by which the step's loss is divided: a token mean over the global batch, whatever the layout."""
+
+
+def token_share(loss: torch.Tensor, targets: torch.Tensor, step_targets: torch.Tensor) -> torch.Tensor:
+    """A batch's share of its optimizer step's token-mean loss: its `loss` (the mean over its own targets) times its
+    target count, over the step's (`num_targets`). Summed over every data-parallel rank and accumulated micro-batch of
+    the step, the shares are the mean over every target of the global batch; a batch with no target adds 0."""
+    count = targets.ne(IGNORE_INDEX).sum()
+    return torch.where(count > 0, loss * count, 0.0) / step_targets.clamp(min=1)
+
+
 def split_pair(batch: Any) -> tuple[Any, Any]:
     """The default batch convention: `(inputs, target)`; a batch of inputs alone (a tensor, or a 1-tuple as a
-    `TensorDataset` of inputs gives) has no target, as in `predict`."""
+    `TensorDataset` of inputs gives) has no target, as in `predict`. A token batch (`TOKEN_BATCH`) gives its
+    `input_ids` and `labels`."""
+    if isinstance(batch, Mapping):
+        return batch["input_ids"], batch.get("labels")
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     return (batch[0] if isinstance(batch, (tuple, list)) and len(batch) == 1 else batch), None

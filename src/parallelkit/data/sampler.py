@@ -78,6 +78,12 @@ class GlobalBatchSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         # Built eagerly (not a generator) so the one-shot resume offset is consumed when iteration starts.
+        batches, first = self.epoch_batches()
+        return iter(batches[first:, self.rank].reshape(-1).tolist())
+
+    def epoch_batches(self) -> tuple[torch.Tensor, int]:
+        """This epoch's global batches of sample indices, (num_global_batches, num_replicas, batch_size), and the
+        index of the first to run: 0, or after a resume the one it stopped before (the offset is used up)."""
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
             order = torch.randperm(len(self.dataset), generator=generator)
@@ -86,7 +92,7 @@ class GlobalBatchSampler(DistributedSampler):
         start = self._resume_offset if self.epoch == self._resume_epoch else 0
         self._resume_epoch, self._resume_offset = None, 0
         batches = order[: self.total_size].view(self.num_global_batches, self.num_replicas, self.batch_size)
-        return iter(batches[start // self.global_batch_size :, self.rank].reshape(-1).tolist())
+        return batches, start // self.global_batch_size
 
     def state_dict(self, batches_done: int) -> dict[str, int]:
         """Position after ``batches_done`` steps of the current epoch, in global samples.

@@ -9,6 +9,8 @@ residual stream need no positional bookkeeping.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -16,6 +18,7 @@ from torch import nn
 from typing_extensions import override
 
 from parallelkit.compat import grouped_mm, grouped_mm_runs
+from parallelkit.contract import ParallelPlan
 from parallelkit.errors import ConfigError
 from parallelkit.lora import LoRA, add_adapters, as_lora, config_dict
 from parallelkit.models.lm import CausalLM
@@ -41,9 +44,12 @@ def _(seq: int, dim: int, base: float, device: torch.device, dtype: torch.dtype)
     return tuple(torch.empty(seq, dim // 2, device=device, dtype=dtype) for _ in range(2))
 
 
-def rotary(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding of `x` shaped (batch, heads, seq, head_dim)."""
+def rotary(x: torch.Tensor, positions: torch.Tensor | None = None, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding of `x` shaped (batch, heads, seq, head_dim), at `positions` (batch, seq) if given
+    (packed examples restart at 0), else at 0 .. seq - 1."""
     cos, sin = rotary_table(x.shape[-2], x.shape[-1], base, x.device, x.dtype)
+    if positions is not None:  # a position never reaches the sequence length: examples lie inside it
+        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
@@ -58,13 +64,28 @@ class Attention(nn.Module):
         self.v = nn.Linear(n_embd, n_embd, bias=False)
         self.proj = nn.Linear(n_embd, n_embd, bias=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         q, k, v = self.q(x), self.k(x), self.v(x)
         batch, seq, _ = q.shape
         # -1 heads: under tensor parallelism this rank holds n_head / tp of them.
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(rotary(q), rotary(k), v, is_causal=True)
+        q, k = rotary(q, positions), rotary(k, positions)
+        if positions is None:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions))
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+
+def document_mask(positions: torch.Tensor) -> torch.Tensor:
+    """The attention mask of packed examples, (batch, 1, seq, seq), True where a query may attend: earlier or equal
+    positions of its own example. An example begins wherever a position does not follow the one before it (as
+    transformers reads packed `position_ids`)."""
+    starts = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1) != 1
+    example = starts.cumsum(-1)
+    seq = positions.shape[-1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
+    return ((example.unsqueeze(-1) == example.unsqueeze(-2)) & causal).unsqueeze(1)
 
 
 class MLP(nn.Module):
@@ -144,8 +165,8 @@ class Block(nn.Module):
         hidden = mlp_ratio * n_embd
         self.mlp = MoE(n_embd, hidden, n_expert, top_k) if n_expert else MLP(n_embd, hidden)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), positions)
         return x + self.mlp(self.mlp_norm(x))
 
 
@@ -256,11 +277,23 @@ class GPT(CausalLM):
         return self.hparams.vocab_size
 
     @override
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+    def forward(self, idx: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of `idx` (batch, seq); `positions` (batch, seq) for packed examples (each attends to itself only)."""
         x = self.tok_emb(idx)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, positions)
         return self.head(self.norm(x))
+
+    def parallel_plan(self) -> ParallelPlan:
+        """The class attributes' plan, with a pipeline stage forward that hands packed examples' positions on."""
+        return replace(ParallelPlan.from_attributes(self), stage_forward=self.run_stage)
+
+    def run_stage(self, layers: list[tuple[str, nn.Module]], x: torch.Tensor, *positions: torch.Tensor) -> Any:
+        """One pipeline stage: token ids or hidden states in, and, for packed examples, their positions, which the
+        blocks read and the stage hands on with its output (the last stage returns logits alone)."""
+        for name, layer in layers:
+            x = layer(x, *positions) if name.startswith("blocks.") else layer(x)
+        return (x, *positions) if positions and layers[-1][0] != "head" else x
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs (forward + backward) per token of the layers this module holds (all of them unless a

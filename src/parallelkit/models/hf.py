@@ -172,15 +172,19 @@ class HFCausalLM(CausalLM):
                 set_whole(param, value.to(local.device, local.dtype))
 
     @override
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         # The model's own forward, so that what a family does between its decoder stack and the loss (Cohere's
         # logit_scale, Granite's logits_scaling, Gemma's final softcapping) is done as transformers does it. Positions
         # too are the model's own: under sequence parallelism the embedding's output, from which transformers counts
-        # them, still holds the whole sequence (the stream is sharded from the first decoder layer on).
+        # them, still holds the whole sequence (the stream is sharded from the first decoder layer on). Packed
+        # examples come with their `position_ids`, from which transformers builds their block-diagonal mask.
+        inputs = {"input_ids": input_ids}
+        if position_ids is not None:
+            inputs["position_ids"] = position_ids
         if not self._router_loss:
-            return self.model(input_ids=input_ids, use_cache=False).logits
+            return self.model(**inputs, use_cache=False).logits
         # A mixture-of-experts config asking for its routers' load-balancing loss: the model's own, from this batch.
-        output = self.model(input_ids=input_ids, use_cache=False, output_router_logits=True)
+        output = self.model(**inputs, use_cache=False, output_router_logits=True)
         self._aux_loss = output.aux_loss
         return output.logits
 
@@ -409,8 +413,9 @@ class HFCausalLM(CausalLM):
         return ""
 
     def _run_stage(self, layers: list[tuple[str, nn.Module]], *args: torch.Tensor) -> Any:
-        """One pipeline stage: the first takes token ids; the others take `(hidden states, positions)` and hand the
-        same on; the last returns logits.
+        """One pipeline stage: the first takes token ids (and, for packed examples, their positions); the others take
+        `(hidden states, positions)` and hand the same on; the last returns logits. Positions are the sequence's
+        (1-D) unless packed examples gave them per row (2-D): those are handed to the model, whose masks they shape.
 
         Everything between the layers is the model's own code: the base model's forward runs with its decoder
         layers replaced by recorders, so each layer is called with exactly what the base model hands it (masks per
@@ -421,14 +426,16 @@ class HFCausalLM(CausalLM):
         first = layers[0][0] == names["embed"]
         decoders = [(index, module) for name, module in layers if (index := self._decoder_index(name)) is not None]
         if first:
-            (input_ids,) = args
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
-            calls = self._layer_calls({0, *(i for i, _ in decoders)}, {"input_ids": input_ids})
+            input_ids, *given = args
+            positions = given[0] if given else torch.arange(input_ids.shape[1], device=input_ids.device)
+            inputs = {"input_ids": input_ids, **_packed(positions)}
+            calls = self._layer_calls({0, *(i for i, _ in decoders)}, inputs)
             x = _hidden_states(*calls[0])  # the embedding's output as the base model hands it to layer 0
         else:
             x, positions = args
             whole = (x.shape[0], positions.shape[-1], *x.shape[2:])  # the whole sequence (sequence parallelism)
-            calls = self._layer_calls({i for i, _ in decoders}, {"inputs_embeds": x.new_zeros(whole)})
+            inputs = {"inputs_embeds": x.new_zeros(whole), **_packed(positions)}
+            calls = self._layer_calls({i for i, _ in decoders}, inputs)
         for index, layer in decoders:
             x = _run_layer(layer, x, *calls[index])
         held = {name for name, _ in layers}
@@ -565,6 +572,12 @@ class _Returns(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self.output
+
+
+def _packed(positions: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The model's `position_ids` argument for a stage: packed examples' positions (2-D, per row) are passed; the
+    sequence's own (1-D) are left to the model to count, as its forward does."""
+    return {"position_ids": positions} if positions.ndim == 2 else {}
 
 
 def _hidden_states(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor:

@@ -50,6 +50,8 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "added_tokens.json",
+    "chat_template.jinja",  # transformers 5 saves a tokenizer's chat template here
+    "chat_template.json",
     "generation_config.json",
 )
 """Files besides the weights that travel with a model directory (tokenizer, generation defaults)."""

@@ -4,6 +4,7 @@ warmup and cosine schedule. A subclass gives the network (`forward(inputs) -> lo
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 
 import lightning as L
 import torch
@@ -12,10 +13,12 @@ from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric
 from typing_extensions import override
 
-from parallelkit.mesh import data_parallel_group
+from parallelkit.contract import IGNORE_INDEX, token_share
+from parallelkit.mesh import data_parallel_group, data_parallel_size
 
-Batch = tuple[torch.Tensor, torch.Tensor]
-"""`(inputs, targets)`: token ids, and the next token of each (what parallelkit's datamodules yield)."""
+Batch = tuple[torch.Tensor, torch.Tensor] | Mapping[str, torch.Tensor]
+"""`(inputs, targets)`: token ids, and the next token of each (what the pretraining datamodules yield); or a token
+batch (`parallelkit.contract.TOKEN_BATCH`: masked labels, positions of packed examples, the step's target count)."""
 
 
 class CausalLM(L.LightningModule):
@@ -49,13 +52,51 @@ class CausalLM(L.LightningModule):
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        if isinstance(batch, Mapping):
+            return self.token_training_step(batch, batch_idx)
         x, y = batch
         loss = self.pipeline_loss(self(x), y) + self.auxiliary_loss()
         self.log("train_loss", loss, on_step=True, prog_bar=True, sync_dist=True, sync_dist_group=self.dp_group)
         return loss
 
+    def token_training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        """A token batch's step: the loss is the mean over every target of the optimizer step's global batch.
+
+        This process's share (`token_share`) is scaled by the data-parallel size and the accumulation steps, which
+        the gradient reduction's mean and Lightning's division undo: the summed gradient is the token mean's, as one
+        process with the whole global batch computes it. `train_loss` is the step's loss: the shares summed over the
+        data-parallel group and the micro-batches so far (the logger writes it after the last)."""
+        labels = batch["labels"]
+        loss = self.pipeline_loss(self(batch["input_ids"], batch["position_ids"]), labels)
+        share = token_share(loss, labels, batch["num_targets"])
+        accumulate = self.trainer.accumulate_grad_batches
+        self.log_step_share(share.detach(), batch_idx, accumulate)
+        return share * (data_parallel_size(self.trainer.strategy) * accumulate) + self.auxiliary_loss()
+
+    def log_step_share(self, share: torch.Tensor, batch_idx: int, accumulate: int) -> None:
+        """Log `train_loss` as the sum of the shares of the optimizer step's micro-batches so far, over the
+        data-parallel group (a pipeline strategy calls it with its stages' share)."""
+        if batch_idx % accumulate == 0:
+            self._step_loss = torch.zeros_like(share)
+        self._step_loss = self._step_loss + share
+        self.log(
+            "train_loss",
+            self._step_loss,
+            on_step=True,
+            prog_bar=True,
+            sync_dist=True,
+            sync_dist_group=self.dp_group,
+            reduce_fx="sum",
+        )
+
     @override
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        if isinstance(batch, Mapping):  # weighted by its targets: the epoch's value is the token mean
+            labels = batch["labels"]
+            loss = self.pipeline_loss(self(batch["input_ids"], batch["position_ids"]), labels)
+            count = labels.ne(IGNORE_INDEX).sum()
+            self.val_loss.update(torch.where(count > 0, loss, 0.0), weight=count)
+            return
         x, y = batch
         self.val_loss.update(self.pipeline_loss(self(x), y))
 
@@ -81,7 +122,10 @@ class CausalLM(L.LightningModule):
 
     @override
     def predict_step(self, batch: Batch | torch.Tensor, batch_idx: int) -> torch.Tensor:
-        """Logits for the batch's inputs: the first element of an `(inputs, targets)` batch, or the batch itself."""
+        """Logits for the batch's inputs: the first element of an `(inputs, targets)` batch, a token batch's
+        `input_ids` (at its positions), or the batch itself."""
+        if isinstance(batch, Mapping):
+            return self(batch["input_ids"], batch["position_ids"])
         inputs = batch[0] if isinstance(batch, (tuple, list)) else batch
         return self(inputs)
 

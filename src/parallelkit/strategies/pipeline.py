@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
 
@@ -33,8 +33,9 @@ from torch.distributed.pipelining import PipelineStage
 from typing_extensions import override
 
 from parallelkit.compat import quiet_root_view_warning, skip_loop_backward
+from parallelkit.contract import token_share
 from parallelkit.errors import ConfigError, PlanError
-from parallelkit.mesh import data_parallel_group
+from parallelkit.mesh import data_parallel_group, data_parallel_size
 from parallelkit.parallel import ResolvedPlan, parallelize, resolve
 from parallelkit.parallel.schedule import Schedule
 from parallelkit.strategies.base import MeshShape, ParallelkitStrategy
@@ -95,6 +96,7 @@ class PipelineStrategy(ParallelkitStrategy):
         self._stages: list[_Stage] = []
         self._loss_scale = 1.0
         self._predicting = False
+        self._step_targets: torch.Tensor | None = None
 
     @property
     def pipeline(self) -> Schedule:
@@ -172,6 +174,7 @@ class PipelineStrategy(ParallelkitStrategy):
         self._has_last = any(stage.is_last for stage in pipeline_stages)
         self._pp_group = pp_mesh.get_group()
         self._dp_group = data_parallel_group(self)
+        self._dp_size = data_parallel_size(self)
         self._last_stage_rank = dist.get_global_rank(self._pp_group, schedule.last_stage_rank())
         # Gradient clipping adds up the stages' norms.
         self.precision_plugin.stage_group = pp_mesh.get_group()
@@ -221,21 +224,31 @@ class PipelineStrategy(ParallelkitStrategy):
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._predicting:  # torch's schedules compute a loss on the last stage whatever the step is for
             return output.new_zeros(())
-        return self.resolved.plan.loss(output, target) / self._loss_scale
+        loss = self.resolved.plan.loss(output, target)
+        if self._step_targets is None:
+            return loss / self._loss_scale
+        # A token batch: the microbatch's share of the step's token mean, times the data-parallel size that the
+        # stages' gradient reduction divides by (`CausalLM.token_training_step`).
+        return token_share(loss, target, self._step_targets) * self._loss_scale
 
     def _check_batch(self, inputs: torch.Tensor) -> None:
         self.pipeline.check_batch(inputs.shape[0])
 
     def _run(self, batch: Any, *, train: bool) -> torch.Tensor:
-        """One schedule step over a process's batch; returns its mean loss, the same on every stage."""
+        """One schedule step over a process's batch; returns its mean loss, the same on every stage (for a token
+        batch: its share of the step's token mean, summed over the data-parallel group by the caller)."""
         inputs, target = self.resolved.plan.split_batch(batch)
         self._check_batch(inputs)
         # The whole batch's mean loss is the mean over microbatches; Lightning also divides by
         # accumulate_grad_batches before its own backward. Both divisions happen here, on each microbatch.
         accumulate = self.lightning_module.trainer.accumulate_grad_batches if train else 1
         self._loss_scale = self.microbatches * accumulate
+        tokens = isinstance(batch, Mapping)
+        self._step_targets = batch["num_targets"] if tokens else None
+        if tokens:
+            self._loss_scale = self._dp_size
         losses: list[torch.Tensor] = []
-        args = (inputs,) if self._has_first else ()
+        args = ((inputs, batch["position_ids"]) if tokens else (inputs,)) if self._has_first else ()
         run = self._schedule.step if train else self._schedule.eval
         timed = train and self._clock is not None
         if timed:
@@ -245,7 +258,8 @@ class PipelineStrategy(ParallelkitStrategy):
         if timed:
             self._log_schedule_stats(*self._clock.stop())
         if self._has_last:
-            loss = torch.stack([loss.detach().float() for loss in losses]).sum() * accumulate
+            loss = torch.stack([loss.detach().float() for loss in losses]).sum()
+            loss = loss / self._dp_size if tokens else loss * accumulate
         else:
             loss = torch.zeros((), device=self.root_device)
         dist.broadcast(loss, src=self._last_stage_rank, group=self._pp_group)
@@ -291,14 +305,22 @@ class PipelineStrategy(ParallelkitStrategy):
             for optimizer in trainer.optimizers:
                 module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
         loss = self._run(batch, train=True)
+        if isinstance(batch, Mapping):
+            module.log_step_share(loss, batch_idx, trainer.accumulate_grad_batches)
+            return loss
         module.log("train_loss", loss, on_step=True, prog_bar=True, sync_dist=True, sync_dist_group=self._dp_group)
         return loss
 
     @override
     def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
         loss = self._run(batch, train=False)
+        weight = {}
+        if isinstance(batch, Mapping):
+            # The global micro-batch's token mean, weighted by its targets: the epoch's value is the token mean.
+            loss = loss * self._dp_size
+            weight = {"batch_size": int(batch["num_targets"])}
         self.lightning_module.log(
-            "val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True, sync_dist_group=self._dp_group
+            "val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True, sync_dist_group=self._dp_group, **weight
         )
 
     @override
