@@ -1,0 +1,353 @@
+"""Instruction fine-tuning (`parallelkit.data.SFTDataModule`): chat templates as transformers renders them, targets on
+the assistant's tokens only, packing that keeps examples apart, and the loss of a step the token mean of its global
+batch in every layout (per step equal to one process's)."""
+
+import json
+from pathlib import Path
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+import yaml
+from models import TINY_LLAMA
+from support import REPO, assert_ok, assert_same_losses, checkpoint_every, fit, made_once, parallelkit, step_losses
+
+from parallelkit.contract import IGNORE_INDEX
+from parallelkit.data import SFTDataModule
+from parallelkit.data.chat import builtin_conversations, builtin_tokenizer, load_tokenizer
+from parallelkit.data.sft import StepTargetSampler
+from parallelkit.errors import DataError
+from parallelkit.models import GPT, HFCausalLM
+
+SFT = "sft.yaml"
+CONFIG = yaml.safe_load((REPO / "configs" / SFT).read_text())
+
+TWO_TURNS = [
+    {"role": "system", "content": "You answer briefly."},
+    {"role": "user", "content": "What is 2 + 3?"},
+    {"role": "assistant", "content": "2 + 3 = 5."},
+    {"role": "user", "content": "And reversed, 'cat'?"},
+    {"role": "assistant", "content": "tac"},
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return builtin_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def write_jsonl(path: Path, records: list) -> Path:
+    path.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return path
+
+
+def module(tmp_path: Path, **kwargs) -> SFTDataModule:
+    dm = SFTDataModule(cache_dir=str(tmp_path / "cache"), **kwargs)
+    dm.setup("fit")
+    return dm
+
+
+# -- templates and targets --------------------------------------------------------------------------------------
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+
+
+@pytest.mark.parametrize("template", [None, LLAMA3_STYLE], ids=["tokenizers_own", "given_in_the_config"])
+def test_a_two_turn_conversation_renders_as_transformers_does_and_only_assistant_turns_are_targets(
+    tmp_path, tokenizer_dir, template
+):
+    dm = module(
+        tmp_path,
+        paths=str(write_jsonl(tmp_path / "chat.jsonl", [{"messages": TWO_TURNS}] * 40)),
+        tokenizer=str(tokenizer_dir),
+        chat_template=template,
+        packing=False,
+        val_fraction=0.0,
+        seq_len=512,  # the second template's markers are not special tokens here: spelled out in bytes
+    )
+    reference = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    expected = reference.apply_chat_template(TWO_TURNS, chat_template=template)["input_ids"]
+    row = dm.train_set[0]
+    ids, labels, positions = row["input_ids"], row["labels"], row["position_ids"]
+    assert ids[: len(expected)].tolist() == expected
+    assert positions[: len(expected)].tolist() == list(range(len(expected)))
+    # The targets, read back: each assistant turn's text and the template's end of turn, nothing else.
+    targets = labels[labels != IGNORE_INDEX]
+    end = "<|im_end|>\n" if template is None else "<|eot_id|>"
+    assert reference.decode(targets) == f"2 + 3 = 5.{end}tac{end}"
+    # Each target is the next token of the conversation.
+    shown = (labels != IGNORE_INDEX).nonzero().flatten()
+    assert torch.equal(labels[shown], ids[shown + 1])
+
+
+def test_train_on_all_and_prompt_completion_pairs(tmp_path, tokenizer_dir):
+    records = [{"prompt": "Capital of France? ", "completion": "Paris"}] * 40
+    path = write_jsonl(tmp_path / "pairs.jsonl", records)
+    pair = module(tmp_path, paths=str(path), tokenizer=str(tokenizer_dir), packing=False, val_fraction=0.0)
+    tokenizer = load_tokenizer(tokenizer_dir)
+    labels = pair.train_set[0]["labels"]
+    assert tokenizer.decode(labels[labels != IGNORE_INDEX]) == "Paris<|im_end|>"  # the completion, then EOS
+    every = module(
+        tmp_path / "all", paths=str(path), tokenizer=str(tokenizer_dir), packing=False, val_fraction=0.0, train_on="all"
+    )
+    ids = tokenizer("Capital of France? Paris", add_special_tokens=False)["input_ids"]
+    assert int(every.train_set.targets[0]) == len(ids)  # every token after the first (and EOS)
+
+
+# -- packing -----------------------------------------------------------------------------------------------------
+def gpt() -> GPT:
+    torch.manual_seed(0)
+    return GPT(vocab_size=264, n_layer=2, n_head=4, n_embd=64).eval()
+
+
+def llama() -> HFCausalLM:
+    torch.manual_seed(0)
+    return HFCausalLM(config={"model_type": "llama", **TINY_LLAMA, "vocab_size": 264}).eval()
+
+
+@pytest.mark.parametrize("make_model", [gpt, llama], ids=["gpt", "hf_llama"])
+def test_packed_examples_have_the_losses_they_have_alone(tmp_path, make_model):
+    """No token attends across an example boundary: each example's per-token losses inside a packed row equal those
+    of the example run alone, unpadded; the same row without its positions (one causal sequence) differs."""
+    dm = module(tmp_path, seq_len=256)
+    model = make_model()
+    rows = [dm.train_set[i] for i in range(4)]
+    batch = {key: torch.stack([row[key] for row in rows]) for key in ("input_ids", "labels", "position_ids")}
+    with torch.no_grad():
+        packed = F.cross_entropy(
+            model(batch["input_ids"], batch["position_ids"]).transpose(1, 2), batch["labels"], reduction="none"
+        )
+        examples = 0
+        for r in range(4):
+            positions = batch["position_ids"][r]
+            starts = [*(positions == 0).nonzero().flatten().tolist(), len(positions)]
+            for a, b in zip(starts, starts[1:]):
+                alone = model(batch["input_ids"][r : r + 1, a:b])
+                expected = F.cross_entropy(alone[0], batch["labels"][r, a:b], reduction="none")
+                torch.testing.assert_close(packed[r, a:b], expected, rtol=1e-5, atol=1e-5)
+                examples += 1
+        whole = F.cross_entropy(model(batch["input_ids"]).transpose(1, 2), batch["labels"], reduction="none")
+    assert examples > 8  # several examples per row
+    assert (whole - packed).abs().max() > 1e-3
+
+
+def test_a_pipeline_stage_hands_packed_positions_on(tmp_path):
+    """The GPT's and HFCausalLM's stage forwards, run as two stages one after the other, give the whole model's
+    logits of packed rows."""
+    dm = module(tmp_path, seq_len=256)
+    ids = torch.stack([dm.train_set[i]["input_ids"] for i in range(2)])
+    positions = torch.stack([dm.train_set[i]["position_ids"] for i in range(2)])
+    for model in (gpt(), llama()):
+        plan = model.parallel_plan()
+        layers = [(name, model.get_submodule(name)) for name in _expand(model, plan.pipeline_layers)]
+        with torch.no_grad():
+            first = plan.stage_forward(layers[:2], ids, positions)
+            logits = plan.stage_forward(layers[2:], *first)
+            torch.testing.assert_close(logits, model(ids, positions), rtol=1e-5, atol=1e-5)
+
+
+def _expand(model, globs):
+    from parallelkit.contract import matches
+
+    names = [name for name, _ in model.named_modules()]
+    return [name for glob in globs for name in names if matches(glob, name)]
+
+
+def test_long_examples_are_truncated_or_dropped_and_counted(tmp_path, tokenizer_dir):
+    records = [{"prompt": "q" * n, "completion": "a" * 10} for n in (5, 50, 300, 8)] * 10
+    path = write_jsonl(tmp_path / "long.jsonl", records)
+    cut = module(tmp_path, paths=str(path), tokenizer=str(tokenizer_dir), seq_len=64, batch_size=1, val_fraction=0)
+    assert cut.report["overlong"] == 10 and cut.report["longest"] == 311  # 300 + 10 + EOS
+    assert cut.report["train_targets"] == 30 * 11  # the long prompts' completions are cut off whole
+    dropped = module(
+        tmp_path / "d",
+        paths=str(path),
+        tokenizer=str(tokenizer_dir),
+        seq_len=64,
+        batch_size=1,
+        val_fraction=0,
+        overlong="drop",
+    )
+    assert dropped.report["train_targets"] == 30 * 11 and dropped.report["overlong"] == 10
+    assert dropped.train_set.real_tokens < cut.train_set.real_tokens
+
+
+# -- sources ------------------------------------------------------------------------------------------------------
+def test_a_datasets_directory_and_parquet_and_arrow_files_load_as_the_jsonl_does(tmp_path, tokenizer_dir):
+    import datasets
+
+    records = [record for _, record in builtin_conversations(count=60)]
+    jsonl = module(tmp_path / "j", paths=str(write_jsonl(tmp_path / "c.jsonl", records)), tokenizer=str(tokenizer_dir))
+    table = datasets.Dataset.from_list(records)
+    table.save_to_disk(str(tmp_path / "saved"))
+    datasets.DatasetDict({"train": table}).save_to_disk(str(tmp_path / "dict"))
+    table.to_parquet(str(tmp_path / "c.parquet"))
+    arrow = next((tmp_path / "saved").glob("*.arrow"))
+    for path in (tmp_path / "saved", tmp_path / "dict", tmp_path / "c.parquet", arrow):
+        other = module(tmp_path / f"m-{path.name}", paths=str(path), tokenizer=str(tokenizer_dir))
+        assert len(other.train_set) == len(jsonl.train_set), path
+        for i in range(len(jsonl.train_set)):
+            assert torch.equal(other.train_set[i]["labels"], jsonl.train_set[i]["labels"]), path
+
+
+BAD = {
+    "no assistant turn": ({"messages": [{"role": "user", "content": "hi"}]}, "has no assistant turn"),
+    "unknown role": (
+        {"messages": [{"role": "human", "content": "hi"}, {"role": "assistant", "content": "yo"}]},
+        "has the role 'human'",
+    ),
+    "missing fields": ({"text": "hi"}, "neither 'messages' nor 'prompt' and 'completion'"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_records_are_refused_naming_the_file_and_line(tmp_path, tokenizer_dir, case):
+    record, message = BAD[case]
+    good = {"messages": TWO_TURNS}
+    path = write_jsonl(tmp_path / "chat.jsonl", [good, good, record])
+    with pytest.raises(DataError, match=message) as error:
+        module(tmp_path, paths=str(path), tokenizer=str(tokenizer_dir))
+    assert f"{path} line 3" in str(error.value) and "Fix:" in str(error.value)
+
+
+def test_a_tokenizer_without_a_chat_template_is_refused_with_the_fix(tmp_path, tokenizer_dir):
+    plain = load_tokenizer(tokenizer_dir)
+    plain.chat_template = None
+    plain.save_pretrained(str(tmp_path / "plain"))
+    (tmp_path / "plain" / "chat_template.jinja").unlink(missing_ok=True)
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": TWO_TURNS}])
+    with pytest.raises(DataError, match="has no chat template") as error:
+        module(tmp_path, paths=str(path), tokenizer=str(tmp_path / "plain"))
+    assert f"{path} line 1" in str(error.value) and "data.chat_template" in str(error.value)
+
+
+# -- the token mean --------------------------------------------------------------------------------------------------
+def test_each_sample_carries_its_optimizer_steps_target_count_in_every_layout():
+    targets = np.random.default_rng(0).integers(0, 50, size=64)
+
+    def steps(num_replicas: int, batch_size: int, accumulate: int) -> list[tuple[set, int]]:
+        """Per optimizer step: the samples of every rank, and the count every rank was handed."""
+        per_rank = [
+            list(
+                StepTargetSampler(targets, accumulate, batch_size=batch_size, num_replicas=num_replicas, rank=r, seed=3)
+            )
+            for r in range(num_replicas)
+        ]
+        size = batch_size * accumulate
+        out = []
+        for start in range(0, len(per_rank[0]), size):
+            items = [item for rank in per_rank for item in rank[start : start + size]]
+            assert len({count for _, count in items}) == 1
+            out.append(({index for index, _ in items}, items[0][1]))
+        return out
+
+    one = steps(1, 8, 1)
+    assert all(count == targets[list(indices)].sum() for indices, count in one)
+    assert steps(4, 1, 2) == one and steps(2, 4, 1) == one and steps(2, 2, 2) == one
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory):
+    """`runs(name, *overrides)`: a 20-step run of configs/sft.yaml on the built-in conversations, made once."""
+
+    def get(name: str, *overrides: str) -> Path:
+        def make(directory: Path) -> None:
+            common = (
+                "--trainer.max_steps=20",
+                "--trainer.limit_val_batches=0",
+                f"--data.init_args.cache_dir={directory.parent / 'sft-cache'}",
+            )
+            assert_ok(fit(SFT, directory, *common, *overrides))
+
+        return made_once(tmp_path_factory, f"sft-{name}", make)
+
+    return get
+
+
+ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")
+LAYOUTS = {
+    "2x2_sequence_parallel": (),  # the config's own layout: 4 rows per process, tp ranks share them
+    "fsdp4_accumulate2": (
+        '--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]',
+        "--data.init_args.batch_size=1",
+        "--trainer.accumulate_grad_batches=2",
+    ),
+    "1f1b_pp2": (
+        "--trainer.strategy=parallelkit.PipelineStrategy",
+        '--trainer.strategy.mesh_shape=[[2], ["pp"]]',
+        "--trainer.strategy.schedule=1f1b",
+        "--trainer.strategy.microbatches=4",
+        "--trainer.devices=2",
+        "--data.init_args.batch_size=8",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_packed_sft_matches_one_process_per_step(runs, name):
+    assert_same_losses(step_losses(runs("one", *ONE_PROCESS)), step_losses(runs(name, *LAYOUTS[name])))
+
+
+def test_the_step_loss_is_the_global_token_mean_not_a_mean_of_rank_means(runs, tmp_path):
+    """Step 0 (the seed's weights): the rows of the global batch hold very different numbers of targets, so the
+    token mean and the mean of per-process means differ by far more than the tolerance; every layout logged the
+    token mean (one process too, and [[4, 1]] x 2 micro-batches, where each rank's micro-batch is one row)."""
+    L.seed_everything(CONFIG["seed_everything"])
+    model = HFCausalLM(**CONFIG["model"]["init_args"]).eval()
+    dm = module(tmp_path, batch_size=8)
+    batch = next(iter(dm.train_dataloader()))
+    with torch.no_grad():
+        logits = model(batch["input_ids"], batch["position_ids"])
+    per_token = F.cross_entropy(logits.transpose(1, 2), batch["labels"], reduction="none")
+    counts = batch["labels"].ne(IGNORE_INDEX).sum(1)
+    sums = per_token.sum(1)
+    token_mean = (sums.sum() / counts.sum()).item()
+    rank_means = (sums / counts).mean().item()  # [[4, 1]] x 2: one row per rank per micro-batch
+    assert counts.max() >= 3 * counts.min() and int(batch["num_targets"]) == counts.sum()
+    assert abs(rank_means - token_mean) > 20 * 1e-5 * token_mean
+    for name in ("one", *LAYOUTS):
+        logged = step_losses(runs(name, *(ONE_PROCESS if name == "one" else LAYOUTS[name])))[0]
+        assert abs(logged - token_mean) <= 1e-5 * token_mean, name
+
+
+def test_the_worked_example_fits_a_pretrained_model_on_a_jsonl_file_and_exports_it(tmp_path, tokenizer_dir):
+    """The README's example: a pretrained directory with its tokenizer and chat template, conversations in a
+    JSONL file, `parallelkit fit`, `parallelkit export-hf`; transformers loads the export, its tokenizer and chat
+    template (the export's logits against parallelkit's are checked in test_hf_io.py)."""
+    pretrained = tmp_path / "pretrained"
+    config = transformers.LlamaConfig(**{**TINY_LLAMA, "vocab_size": 264})
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(str(pretrained))
+    load_tokenizer(tokenizer_dir).save_pretrained(str(pretrained))
+    data = write_jsonl(tmp_path / "chats.jsonl", [record for _, record in builtin_conversations(count=300, seed=1)])
+    assert_ok(
+        fit(
+            SFT,
+            tmp_path / "run",
+            "--model.init_args.config=null",
+            f"--model.init_args.pretrained={pretrained}",
+            f"--data.init_args.paths={data}",
+            f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+            "--data.init_args.batch_size=8",
+            "--trainer.devices=1",
+            '--trainer.strategy.mesh_shape=[[1, 1], ["fsdp", "tp"]]',
+            "--trainer.max_steps=6",
+            "--trainer.limit_val_batches=0",
+            checkpoint_every(tmp_path / "ckpt", 6, last=True),
+        )
+    )
+    assert_ok(parallelkit("export-hf", str(tmp_path / "ckpt" / "last.ckpt"), str(tmp_path / "export"), cwd=tmp_path))
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))  # the template travelled
+    ids = torch.tensor([tokenizer.apply_chat_template(TWO_TURNS)["input_ids"]])
+    original = transformers.AutoModelForCausalLM.from_pretrained(str(pretrained)).eval()
+    with torch.no_grad():
+        logits = exported(ids).logits
+        assert torch.isfinite(logits).all()
+        assert (logits - original(ids).logits).abs().max() > 1e-3  # it trained
