@@ -248,7 +248,7 @@ class PipelineStrategy(ParallelkitStrategy):
         if tokens:
             self._loss_scale = self._dp_size
         losses: list[torch.Tensor] = []
-        args = ((inputs, batch["position_ids"]) if tokens else (inputs,)) if self._has_first else ()
+        args = self._first_stage_args(batch, inputs)
         run = self._schedule.step if train else self._schedule.eval
         timed = train and self._clock is not None
         if timed:
@@ -264,6 +264,12 @@ class PipelineStrategy(ParallelkitStrategy):
             loss = torch.zeros((), device=self.root_device)
         dist.broadcast(loss, src=self._last_stage_rank, group=self._pp_group)
         return loss
+
+    def _first_stage_args(self, batch: Any, inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """What this rank's first stage is handed: the inputs, and a token batch's positions (packed examples)."""
+        if not self._has_first:
+            return ()
+        return (inputs, batch["position_ids"]) if isinstance(batch, Mapping) else (inputs,)
 
     @property
     def theoretical_bubble(self) -> float | None:
@@ -328,7 +334,7 @@ class PipelineStrategy(ParallelkitStrategy):
         """The last stage's output for the batch's inputs (as the plan's `split_batch` finds them), on every rank."""
         inputs = self.resolved.plan.split_batch(batch)[0]
         self._check_batch(inputs)
-        args = (inputs,) if self._has_first else ()
+        args = self._first_stage_args(batch, inputs)
         target = inputs.new_zeros(inputs.shape[0]) if self._has_last else None  # the schedule wants one
         self._predicting = True
         try:
