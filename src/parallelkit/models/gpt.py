@@ -47,9 +47,13 @@ def _(seq: int, dim: int, base: float, device: torch.device, dtype: torch.dtype)
 def rotary(x: torch.Tensor, positions: torch.Tensor | None = None, base: float = 10000.0) -> torch.Tensor:
     """Rotary position embedding of `x` shaped (batch, heads, seq, head_dim), at `positions` (batch, seq) if given
     (packed examples restart at 0), else at 0 .. seq - 1."""
-    cos, sin = rotary_table(x.shape[-2], x.shape[-1], base, x.device, x.dtype)
-    if positions is not None:  # a position never reaches the sequence length: examples lie inside it
-        cos, sin = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    if positions is None:
+        cos, sin = rotary_table(x.shape[-2], x.shape[-1], base, x.device, x.dtype)
+    else:  # the table's angles, at each token's position (computed, not looked up: any position is one)
+        dim = x.shape[-1]
+        inv_freq = base ** (-torch.arange(0, dim, 2, device=x.device, dtype=torch.float32) / dim)
+        angles = (positions.to(torch.float32).unsqueeze(-1) * inv_freq).unsqueeze(1)
+        cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
     x1, x2 = x[..., 0::2], x[..., 1::2]
     return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
 
