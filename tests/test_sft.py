@@ -18,7 +18,7 @@ from support import REPO, assert_ok, assert_same_losses, checkpoint_every, fit, 
 from parallelkit.contract import IGNORE_INDEX
 from parallelkit.data import SFTDataModule
 from parallelkit.data.chat import builtin_conversations, builtin_tokenizer, load_tokenizer
-from parallelkit.data.sft import StepTargetSampler
+from parallelkit.data.packing import StepTargetSampler
 from parallelkit.errors import DataError
 from parallelkit.models import GPT, HFCausalLM
 
@@ -250,6 +250,24 @@ def test_each_sample_carries_its_optimizer_steps_target_count_in_every_layout():
     one = steps(1, 8, 1)
     assert all(count == targets[list(indices)].sum() for indices, count in one)
     assert steps(4, 1, 2) == one and steps(2, 4, 1) == one and steps(2, 2, 2) == one
+
+
+def test_a_resumed_sampler_continues_with_the_uninterrupted_samples_and_counts():
+    """Resumed after 3 optimizer steps of 2 micro-batches (in another layout), the samples and their step counts
+    are the uninterrupted run's from there on."""
+    targets = np.random.default_rng(1).integers(0, 50, size=64)
+    whole = list(StepTargetSampler(targets, 2, batch_size=4, num_replicas=2, rank=0, seed=5))
+    before = StepTargetSampler(targets, 2, batch_size=4, num_replicas=2, rank=0, seed=5)
+    state = before.state_dict(batches_done=6)  # 3 steps x 2 micro-batches
+    after = [StepTargetSampler(targets, 2, batch_size=2, num_replicas=4, rank=r, seed=5) for r in range(4)]
+    for sampler in after:
+        sampler.load_state_dict(state)
+    resumed = [list(sampler) for sampler in after]
+    # Global micro-batch k of the resumed run: ranks 0-3's k-th pair of samples; the uninterrupted rank 0 held the
+    # first half of each global micro-batch of 8.
+    for k in range(len(resumed[0]) // 2):
+        ranks = [pair for rank in resumed for pair in rank[2 * k : 2 * k + 2]]
+        assert ranks[:4] == whole[4 * (6 + k) : 4 * (6 + k) + 4]
 
 
 @pytest.fixture(scope="module")
