@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 import zlib
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -37,6 +38,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from parallelkit.contract import declared_plan, matches
 from parallelkit.errors import ConfigError
+from parallelkit.quantize import is_nf4, nf4_available, to_nf4
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -58,12 +60,15 @@ class LoRA:
         targets: Module-name globs (`*` = one path segment) matched against the last segments of each module's name,
             so `q_proj` or `*.q_proj` finds every `...self_attn.q_proj`, `blocks.0.attn.q` only that one; or
             "all-linear": every `nn.Linear` but the output layer.
+        quantize_base: "nf4": the targeted layers' frozen weights stored in 4 bits (QLoRA; `parallelkit.quantize`,
+            needs torchao), the adapters in the training precision. None: the base stays as built.
     """
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     targets: list[str] | str = field(default_factory=lambda: ALL_LINEAR)
+    quantize_base: str | None = None
 
     def __post_init__(self) -> None:
         problems = []
@@ -75,6 +80,10 @@ class LoRA:
             problems.append(f"dropout={self.dropout!r} must be in [0, 1)")
         if isinstance(self.targets, str) and self.targets != ALL_LINEAR:
             self.targets = [self.targets]
+        if isinstance(self.quantize_base, str) and self.quantize_base.lower() in ("", "none", "null"):
+            self.quantize_base = None  # as a command-line override of one key of the mapping writes null
+        if self.quantize_base not in (None, "nf4"):
+            problems.append(f"quantize_base={self.quantize_base!r} must be 'nf4' (QLoRA) or null")
         if not self.targets:
             problems.append(f"targets is empty: name module globs (e.g. ['q_proj', 'v_proj']) or {ALL_LINEAR!r}")
         if problems:
@@ -110,7 +119,8 @@ class LoRALinear(nn.Linear):
     lora_B: nn.Parameter
 
     def reset_parameters(self) -> None:
-        super().reset_parameters()
+        if not is_nf4(self.weight):  # a quantized base is final: it was read or drawn before it was quantized
+            super().reset_parameters()
         if hasattr(self, "lora_A"):  # nn.Linear's constructor calls this before adapters exist
             self.reset_adapters()
 
@@ -145,6 +155,7 @@ def _adapt(module: nn.Linear, lora: LoRA, seed: int) -> LoRALinear:
     weight = module.weight
     module.__class__ = LoRALinear
     module.rank, module.scaling, module.lora_dropout, module.lora_seed = lora.rank, lora.scaling, lora.dropout, seed
+    module.quantize_base = lora.quantize_base
     module.lora_A = nn.Parameter(torch.empty(lora.rank, module.in_features, device=weight.device, dtype=weight.dtype))
     module.lora_B = nn.Parameter(torch.empty(module.out_features, lora.rank, device=weight.device, dtype=weight.dtype))
     if not module.lora_A.is_meta:  # on the meta device, materialisation calls reset_parameters()
@@ -205,11 +216,56 @@ def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[s
     seed = torch.initial_seed()
     for name, module in chosen:
         _adapt(module, lora, seed=(seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    if lora.quantize_base:
+        nf4_available()  # asking for NF4 without torchao: one clear error, at build time
+        quantize_base(model)  # weights built with values now; meta ones when their values are known
     return [name for name, _ in chosen]
+
+
+QUANTIZED_TP_REFUSAL = (
+    "lora.quantize_base: nf4 stores the base weights as torchao NF4Tensors, which torch's tensor-parallel styles "
+    "cannot split (a weight's 4-bit codes and its block scales would have to be cut together, column- or row-wise). "
+    'Fix: a layout without tp (fsdp, hsdp, pipelines: e.g. mesh_shape [[-1], ["fsdp"]]), or quantize_base: null.'
+)
+"""The refusal a QLoRA model's plan gives tensor parallelism."""
 
 
 def adapter_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
     return [(name, m) for name, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+def quantize_base(
+    model: nn.Module, read: Callable[[str], torch.Tensor | None] | None = None, device: torch.device | None = None
+) -> list[str]:
+    """Store the frozen weight of every adapted layer that asks for it (`LoRA.quantize_base`) as NF4, once: a weight
+    with values as it is; a weight still on the meta device from `read(name)` (its full-precision values, e.g. from
+    the pretrained files; quantized on `device`, default where they are), left as it is when `read` has none.
+    Returns the names of the weights quantized now."""
+    done = []
+    for name, module in adapter_modules(model):
+        weight = module.weight
+        if not wants_nf4(module) or is_nf4(weight):
+            continue
+        if weight.is_meta:
+            values = read(f"{name}.weight") if read is not None else None
+            if values is None:
+                continue
+        else:
+            values = weight.detach()
+        values = values.to(device=device or values.device, dtype=weight.dtype)
+        module.weight = nn.Parameter(to_nf4(values, f"{name}.weight"), requires_grad=False)
+        done.append(f"{name}.weight")
+    return done
+
+
+def wants_nf4(module: nn.Module) -> bool:
+    """Whether `module` is an adapted layer whose base weight is to be stored as NF4."""
+    return getattr(module, "quantize_base", None) == "nf4"
+
+
+def quantized_names(model: nn.Module) -> list[str]:
+    """The parameters of `model` stored as NF4."""
+    return [name for name, param in model.named_parameters() if is_nf4(param)]
 
 
 def has_adapters(model: nn.Module) -> bool:

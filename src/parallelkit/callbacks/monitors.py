@@ -114,6 +114,8 @@ def training_state_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
 
     def local(t: torch.Tensor) -> int:
         t = t.to_local() if isinstance(t, DTensor) else t
+        if hasattr(t, "__tensor_flatten__"):  # a tensor subclass made of others (an NF4 weight: codes and scales)
+            return sum(local(getattr(t, name)) for name in t.__tensor_flatten__()[0])
         return t.numel() * t.element_size()
 
     params = list(module.parameters())

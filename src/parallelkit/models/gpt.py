@@ -20,7 +20,7 @@ from typing_extensions import override
 from parallelkit.compat import grouped_mm, grouped_mm_runs
 from parallelkit.contract import ParallelPlan
 from parallelkit.errors import ConfigError
-from parallelkit.lora import LoRA, add_adapters, as_lora, config_dict
+from parallelkit.lora import QUANTIZED_TP_REFUSAL, LoRA, add_adapters, as_lora, config_dict
 from parallelkit.models.lm import CausalLM
 
 
@@ -290,7 +290,9 @@ class GPT(CausalLM):
 
     def parallel_plan(self) -> ParallelPlan:
         """The class attributes' plan, with a pipeline stage forward that hands packed examples' positions on."""
-        return replace(ParallelPlan.from_attributes(self), stage_forward=self.run_stage)
+        plan = replace(ParallelPlan.from_attributes(self), stage_forward=self.run_stage)
+        quantized = (self.hparams.get("lora") or {}).get("quantize_base")
+        return replace(plan, tp_refusal=QUANTIZED_TP_REFUSAL) if quantized else plan
 
     def run_stage(self, layers: list[tuple[str, nn.Module]], x: torch.Tensor, *positions: torch.Tensor) -> Any:
         """One pipeline stage: token ids or hidden states in, and, for packed examples, their positions, which the

@@ -24,7 +24,16 @@ from parallelkit.compat import hf_ep_plan, hf_initialize, hf_pp_plan, hf_support
 from parallelkit.contract import ParallelPlan, matches
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.init import building_on_meta, materialize, meta_parameters, set_whole
-from parallelkit.lora import LoRA, add_adapters, as_lora, config_dict, is_adapter, reset_adapters
+from parallelkit.lora import (
+    QUANTIZED_TP_REFUSAL,
+    LoRA,
+    add_adapters,
+    as_lora,
+    config_dict,
+    is_adapter,
+    quantize_base,
+    reset_adapters,
+)
 from parallelkit.models.hf_config import _transformers, build_config
 from parallelkit.models.hf_convert import ConvertedWeights
 from parallelkit.models.hf_families import PIPELINE_FAMILIES, TP_FAMILIES
@@ -110,15 +119,30 @@ class HFCausalLM(CausalLM):
         self._plan: ParallelPlan | None = None
         self._module_names: dict[str, str] | None = None
         self._aux_loss: torch.Tensor | None = None
+        self._converted: ConvertedWeights | None = None
         with meta_parameters():
             add_adapters(self, lora)
         if eager:
+            # QLoRA: the base weights to store in 4 bits read one at a time and quantized before anything else is
+            # allocated (or, drawn from the seed, quantized once drawn), so the process never holds them in fp32.
+            quantize_base(self, self.base_weight)
             materialize(self, torch.device("cpu"), dict(self.named_modules()))
+            quantize_base(self)
 
     @property
     def config(self) -> Any:
         """The transformers config."""
         return self.model.config
+
+    def base_weight(self, name: str) -> torch.Tensor | None:
+        """The pretrained values of parameter `name` (whole; None without `pretrained`): QLoRA quantizes a meta-built
+        base weight from them before it is sharded."""
+        if self.pretrained_weights is None:
+            return None
+        if self._converted is None:
+            self._converted = ConvertedWeights(self.pretrained_weights, self.model)
+        key = name.removeprefix("model.")
+        return self._converted.read(key, tuple(slice(0, size) for size in self._converted.shape(key)))
 
     @property
     def loads_every_parameter(self) -> bool:
@@ -287,6 +311,8 @@ class HFCausalLM(CausalLM):
                 f"it translates {', '.join(HF_STYLES)}. Fix: train it without a tp axis (e.g. mesh_shape [[-1], "
                 '["fsdp"]]), or give it a plan (subclass HFCausalLM and override parallel_plan()).'
             )
+        if (self.hparams.get("lora") or {}).get("quantize_base"):
+            refusal = QUANTIZED_TP_REFUSAL
         if not refusal and config.model_type not in TP_FAMILIES:
             refusal = (
                 f"split tp=2 on two processes, {config.model_type} does not compute one process's loss and gradients "

@@ -39,6 +39,7 @@ from parallelkit.compat import local_box
 from parallelkit.errors import ConfigError
 from parallelkit.init import tied_parameters
 from parallelkit.lora import is_adapter
+from parallelkit.quantize import is_nf4
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"
@@ -230,7 +231,7 @@ def load_weights(module: nn.Module, weights: SafetensorsWeights, skip: Callable[
     done: set[int] = set()
     missing = []
     for name, tensor in module.state_dict(keep_vars=True).items():
-        if id(tensor) in done or tensor.is_meta or skip(name):
+        if id(tensor) in done or tensor.is_meta or skip(name) or is_nf4(tensor):  # NF4: quantized when read
             continue
         key = next((n for n in tied.get(name, [name]) if n in weights.files), None)
         if key is None:

@@ -13,7 +13,7 @@ gets a module here and a line in `parallelize` (docs/architecture.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -44,13 +44,15 @@ def parallelize(
     param_dtype: Any = None,
     comm_hook: Any = None,
     cpu_offload: bool = False,
+    prepare: Callable[[nn.Module], Any] | None = None,
 ) -> list[nn.Module]:
     """Make `model` parallel over `mesh` as `resolved` (the strategy's `ResolvedPlan`) says; None resolves the model's
     plan for `mesh` here, as a call outside a strategy needs. Returns the modules to run: `[model]`, or with `stages`
     (indices into `resolved.stages`: this rank's) one `StageModule` per stage, the other layers dropped.
 
     `compile`: the `torch.compile` backend for each block, or None (eager). `comm_hook`: a `parallelkit.comm.CommHook`
-    for the gradient reduction.
+    for the gradient reduction. `prepare(root)`: what the caller changes in each root's parameters before they are
+    checkpointed, compiled and sharded (QLoRA's base weights become NF4 there: FSDP shards them as they are then).
     """
     if resolved is None:
         if stages is not None:
@@ -64,6 +66,8 @@ def parallelize(
         if resolved.tp_size > 1:
             apply_tensor_parallel(root, mesh["tp"], resolved)
         experts = apply_expert_parallel(root, mesh["ep"], resolved) if resolved.ep_size > 1 else []
+        if prepare is not None:
+            prepare(root)
         held = dict(root.named_modules())
         units = [runnable_unit(name, fqn, held[fqn]) for fqn in resolved.fsdp_units if fqn in held]
         if compile is None:

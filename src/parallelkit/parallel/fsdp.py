@@ -8,6 +8,7 @@ from torch import nn
 
 from parallelkit.errors import PlanError
 from parallelkit.parallel.resolve import has_forward
+from parallelkit.quantize import is_nf4
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -66,13 +67,15 @@ def apply_fsdp(
         ),
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
-    ignored = {param for module in experts for param in module.parameters()} if experts_mesh is None else None
+    ignored = {param for module in experts for param in module.parameters()} if experts_mesh is None else set()
+    if dp_mesh.size() == 1:  # each rank holds every NF4 weight anyway (FSDP2's one-rank gather skips torchao's hooks)
+        ignored |= {param for param in root.parameters() if is_nf4(param)}
     if experts_mesh is not None:
         for module in experts:
             fully_shard(
                 module, reshard_after_forward=reshard_after_forward != "never", **{**options, "mesh": experts_mesh}
             )
-    options["ignored_params"] = ignored
+    options["ignored_params"] = ignored or None
     for index, unit in enumerate(units):
         last = index == len(units) - 1
         reshard = reshard_after_forward == "always" or (reshard_after_forward == "default" and not last)

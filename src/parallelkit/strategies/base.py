@@ -37,6 +37,7 @@ from parallelkit.comm import CommHook, reduce_logged
 from parallelkit.comm import resolve as resolve_comm_hook
 from parallelkit.compat import (
     destroy_process_groups_at_exit,
+    model_class_name,
     quiet_root_view_warning,
     run_as_forward,
     saves_distributed_checkpoint,
@@ -45,6 +46,7 @@ from parallelkit.compat import (
 )
 from parallelkit.errors import ConfigError
 from parallelkit.init import draw_whole_in_hooks, has_meta_tensors, materialize, meta_parameters
+from parallelkit.lora import adapter_modules, quantize_base, wants_nf4
 from parallelkit.mesh import AXES, MeshSpec
 from parallelkit.optim import compile_step
 from parallelkit.parallel import ResolvedPlan, resolve
@@ -337,7 +339,22 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
             "param_dtype": self.precision_plugin.param_dtype,
             "comm_hook": self.comm_hook,
             "cpu_offload": self.cpu_offload,
+            "prepare": self.quantize_base,
         }
+
+    def quantize_base(self, root: Any) -> None:
+        """QLoRA (`lora.quantize_base`): the adapted layers' base weights stored as NF4 before FSDP shards them; a
+        meta-built weight from the model's `base_weight(name)` (HFCausalLM reads it from `pretrained`)."""
+        read = getattr(self.lightning_module, "base_weight", None)
+        quantize_base(root, read, self.root_device)
+        waiting = [name for name, module in adapter_modules(root) if wants_nf4(module) and module.weight.is_meta]
+        if waiting:
+            raise ConfigError(
+                f"lora.quantize_base: nf4 with meta_init needs each base weight's values before sharding, to quantize "
+                f"them; {model_class_name(self.lightning_module)} gives none for {waiting[0]}.weight (only "
+                "HFCausalLM with model.pretrained reads them). Fix: meta_init: false (the model is built with its "
+                "weights and quantized at once), or load pretrained weights."
+            )
 
     @abstractmethod
     def parallelize_model(self, trainer: Any) -> None:
