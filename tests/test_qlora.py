@@ -135,3 +135,22 @@ def test_tensor_parallelism_and_a_meta_base_without_values_and_a_missing_torchao
     monkeypatch.setitem(sys.modules, "torchao", None)  # as if not installed
     with pytest.raises(ConfigError, match=r'needs torchao.*pip install -e "\.\[qlora\]"'):
         HFCausalLM(config={"model_type": "llama", **LLAMA}, lora=QLORA)
+
+
+def test_the_planner_counts_the_nf4_base_at_its_stored_size():
+    """QLoRA against LoRA on [[4], ["fsdp"]], a 2 x 128 GPT with adapters on q and v: the weights differ by the NF4
+    weights' fp32 bytes less their stored bytes (a shard of each, per rank), and so do the gathered bytes at once."""
+    from parallelkit.mesh import MeshSpec
+    from parallelkit.models import GPT
+    from parallelkit.planner import Hardware, Workload, estimate, profile
+
+    sizes, lora = {"n_layer": 2, "n_head": 4, "n_embd": 128}, {"rank": 4, "targets": ["attn.q", "attn.v"]}
+    with torch.device("meta"):
+        plain, quantized = GPT(**sizes, lora=lora), GPT(**sizes, lora={**lora, "quantize_base": "nf4"})
+    work, hw, mesh = Workload(seq_len=32, micro_batch=2), Hardware(1, 4, 80e9), MeshSpec((4,), ("fsdp",))
+    a, b = estimate(profile(plain, 32), mesh, work, hw), estimate(profile(quantized, 32), mesh, work, hw)
+    weights = 2 * 2 * 128 * 128  # q and v of 2 blocks
+    saved = 4 * weights - 4 * nf4_bytes(128 * 128)
+    assert a.params - b.params == pytest.approx(saved / 4)
+    assert a.grads == b.grads and a.optimizer == b.optimizer
+    assert nf4_bytes(128 * 128) / (128 * 128) < 0.53

@@ -30,7 +30,7 @@ recommendation) whose parts read the same counts; apart, each would re-export th
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -40,11 +40,12 @@ from torch import nn
 from parallelkit.compat import flash_attention_on_cpu
 from parallelkit.contract import GATHERING_STYLES, SHARDING_STYLES
 from parallelkit.errors import PlanError
-from parallelkit.lora import WHOLE_UNDER, LoRALinear
+from parallelkit.lora import WHOLE_UNDER, LoRALinear, wants_nf4
 from parallelkit.mesh import MeshSpec
 from parallelkit.parallel.pipeline import split_stages
 from parallelkit.parallel.resolve import expand_tp, gathered_inside, resolve
 from parallelkit.parallel.schedule import Schedule
+from parallelkit.quantize import nf4_bytes
 
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """fp32 states per parameter that each optimizer keeps."""
@@ -126,6 +127,9 @@ class Layer:
     trainable_experts: int = 0
     routed: float = 0.0
     """Bytes per sample of the token copies its experts modules are sent (tokens x top-k x hidden, fp32)."""
+    quantized: int = 0
+    """Parameters stored as NF4 (QLoRA's base weights), held, gathered and sent as `quantized_bytes` in all."""
+    quantized_bytes: float = 0.0
 
 
 @dataclass
@@ -314,6 +318,8 @@ def profile(
                 experts=sum(p.numel() for p in params if id(p) in expert_params),
                 trainable_experts=sum(p.numel() for p in params if p.requires_grad and id(p) in expert_params),
                 routed=sum(v for k, v in routed.items() if k in members),
+                quantized=sum(m.weight.numel() for m in module.modules() if wants_nf4(m)),
+                quantized_bytes=sum(nf4_bytes(m.weight.numel()) for m in module.modules() if wants_nf4(m)),
             )
         )
     valid: dict[int, str] = {}
@@ -376,6 +382,13 @@ def estimate(
         """What FSDP gathers of `layers` on a rank: dense parameters whole, experts this rank's ep share."""
         return sum(local_params([layer]) - layer.experts * (1 - 1 / ep) for layer in layers)
 
+    def in_bytes(layers: Iterable[Layer], counted: Callable[[Layer], float], width: float) -> float:
+        """`counted(layer)` parameters in bytes, `width` each, but NF4 weights at their own size (tp is 1 with them)."""
+        return sum((counted(layer) - layer.quantized) * width + layer.quantized_bytes for layer in layers)
+
+    def gathered_bytes(layers: Iterable[Layer]) -> float:
+        return in_bytes(layers, lambda layer: whole([layer]), work.compute_bytes)
+
     def activations(layer: Layer) -> float:
         if work.activation_checkpointing and layer.unit:
             return layer.output * cb / tp  # only the unit's input (the previous unit's output) is kept
@@ -388,8 +401,7 @@ def estimate(
     for rank in range(pp):
         mine = [(i, stage) for i, stage in enumerate(stages) if i % pp == rank]
         layers = [layer for _, stage in mine for layer in stage]
-        tp_params = local_params(layers)
-        shard = tp_params / sharding
+        param_bytes = in_bytes(layers, lambda layer: local_params([layer]), 4) / sharding
         trained = local_trainable(layers)  # of tp_params: what has gradients and optimizer state
         reduced = trained - sum(layer.trainable_experts for layer in layers) * (1 - 1 / ep)  # experts: over fsdp
         in_flight = _in_flight(schedule if pp > 1 else None, pp, rank, m, v)
@@ -398,17 +410,17 @@ def estimate(
             acts += max((layer.activations * cb / tp for layer in layers if layer.unit), default=0.0) * samples
         if any(i == len(stages) - 1 for i, _ in mine):
             acts += prof.loss_activations * cb * samples
-        units = [whole([layer]) for layer in layers if layer.unit]
-        all_gathered = whole(layers)
+        units = [gathered_bytes([layer]) for layer in layers if layer.unit]
+        all_gathered = gathered_bytes(layers)
         gathered = 0.0
         if sharding > 1:
-            gathered = (all_gathered - sum(units) + 2 * max(units, default=0.0)) * work.compute_bytes
+            gathered = all_gathered - sum(units) + 2 * max(units, default=0.0)
         comm: dict[str, float] = {}
         if sharding > 1:
             # Default resharding re-gathers every unit but the last in backward; pipelines keep them gathered.
             regathered = 0.0 if pp > 1 else sum(units[:-1])
             axis = "fsdp" if fsdp > 1 else "ep"
-            comm[axis] = (all_gathered + regathered) * work.compute_bytes * work.accumulate + reduced * 4
+            comm[axis] = (all_gathered + regathered) * work.accumulate + reduced * 4
         if ep > 1:  # the token copies to their experts and back, in forward and backward
             copies = sum(layer.routed for layer in layers) * cb * work.micro_batch * work.accumulate
             comm["ep"] = comm.get("ep", 0.0) + 4 * copies
@@ -427,7 +439,7 @@ def estimate(
         seconds = compute + sum(b / (_bandwidth(spec, axis, hw) * 1e9) for axis, b in comm.items())
         slowest = max(slowest, seconds)
         grads = trained / sharding * 4
-        e = Estimate(str(spec), schedule, shard * 4, grads, grads * states, acts, gathered, comm, seconds)
+        e = Estimate(str(spec), schedule, param_bytes, grads, grads * states, acts, gathered, comm, seconds)
         if worst is None or e.peak > worst.peak:
             worst = e
     worst.step_s = slowest
