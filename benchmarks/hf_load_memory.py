@@ -2,13 +2,16 @@
 
     python benchmarks/hf_load_memory.py                  # a 322M-parameter Llama (1.29 GB fp32), fsdp [[4, 1]]
     python benchmarks/hf_load_memory.py --mesh '[[2, 2], ["fsdp", "tp"]]'
+    python benchmarks/hf_load_memory.py --qlora          # the base's linear layers read and stored as NF4 (QLoRA)
 
 Writes a `save_pretrained` directory once (under --dir), then starts 4 processes (torchrun) that each build
 `HFCausalLM(pretrained=DIR)` inside `Trainer.init_module()` and enter fit: with `meta_init` (each reads only the parts
 of each tensor it holds), and eagerly (each reads the whole model, as `from_pretrained` on every rank does). Each
 process's peak resident memory from just before the build to the start of fit, the largest over processes, is
 printed as a fraction of the checkpoint's bytes. The safetensors pages a process reads are part of its resident
-memory while mapped, so the figure counts the reads too.
+memory while mapped, so the figure counts the reads too. With `--qlora` the model has rank-8 adapters on every
+linear layer of its decoder, whose base weights are read whole one at a time, quantized to NF4 and then sharded
+(`lora.quantize_base: nf4`); the figure is set against the unquantized shard (the checkpoint / processes) too.
 """
 
 from __future__ import annotations
@@ -38,7 +41,14 @@ def resident_bytes() -> int:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
-def worker(directory: str, mesh: str, mode: str, out: str) -> None:
+QLORA = {
+    "rank": 8,
+    "targets": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "quantize_base": "nf4",
+}
+
+
+def worker(directory: str, mesh: str, mode: str, out: str, qlora: bool) -> None:
     import lightning as L
     import torch
     import torch.distributed as dist
@@ -69,7 +79,7 @@ def worker(directory: str, mesh: str, mode: str, out: str) -> None:
     )
     before = resident_bytes()
     with trainer.init_module():
-        model = HFCausalLM(pretrained=directory)
+        model = HFCausalLM(pretrained=directory, lora=QLORA if qlora else None)
     tokens = torch.zeros(4, 9, dtype=torch.long)
     trainer.fit(model, DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=1))
 
@@ -79,11 +89,12 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/parallelkit-bench/llama322m", help="where the checkpoint is written")
     parser.add_argument("--mesh", default='[[4, 1], ["fsdp", "tp"]]')
     parser.add_argument("--nproc", type=int, default=4)
+    parser.add_argument("--qlora", action="store_true", help="adapters on a base stored as NF4")
     parser.add_argument("--worker", nargs=3, metavar=("DIR", "MODE", "OUT"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         directory, mode, out = args.worker
-        worker(directory, args.mesh, mode, out)
+        worker(directory, args.mesh, mode, out, args.qlora)
         return
     directory = Path(args.dir)
     if not (directory / "config.json").is_file():
@@ -100,10 +111,14 @@ def main() -> None:
     for mode in ("meta", "eager"):
         out = directory.parent / f"growth-{mode}.json"
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={args.nproc}", "--standalone"]
-        command += [__file__, "--mesh", args.mesh, "--worker", str(directory), mode, str(out)]
+        command += [__file__, "--mesh", args.mesh, *(["--qlora"] if args.qlora else []), "--worker"]
+        command += [str(directory), mode, str(out)]
         subprocess.run(command, check=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True)
         growth = json.loads(out.read_text())["growth"]
-        print(f"{mode:>5}: peak resident memory grew by {growth / 1e9:.2f} GB per process = {growth / size:.2f} x")
+        print(
+            f"{mode:>5}: peak resident memory grew by {growth / 1e9:.2f} GB per process = {growth / size:.2f} x the "
+            f"checkpoint, {growth * args.nproc / size:.2f} x its unquantized shard"
+        )
 
 
 if __name__ == "__main__":
