@@ -12,7 +12,7 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from parallelkit.callbacks.monitors import training_state_bytes
+from parallelkit.callbacks.monitors import local_bytes, training_state_bytes
 from parallelkit.lora import add_adapters
 from parallelkit.mesh import data_parallel_group
 from parallelkit.models.gpt import GPT, MLP, Attention, Block
@@ -297,9 +297,8 @@ class StateBytes(L.Callback):
 
 
 def _local_bytes(tensors) -> int:
-    """Bytes of this rank's parts of `tensors` (a DTensor's local shard)."""
-    local = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-    return sum(t.numel() * t.element_size() for t in local)
+    """Bytes of this rank's parts of `tensors` (a DTensor's local shard; an NF4 weight's codes and scales)."""
+    return sum(local_bytes(t) for t in tensors)
 
 
 class KillDuringSave(L.Callback):

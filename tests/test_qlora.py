@@ -8,12 +8,14 @@ from types import SimpleNamespace
 import pytest
 import torch
 from models import TINY_LLAMA
-from support import assert_ok, assert_same_losses, parallelkit
+from support import assert_same_losses
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from parallelkit.checkpoint import consolidate
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.lora import quantized_names
 from parallelkit.models import HFCausalLM
+from parallelkit.models.hf_io import export_hf
 from parallelkit.parallel import resolve
 from parallelkit.quantize import BLOCK, nf4_bytes, scaler_block_size
 from parallelkit.strategies import FSDPTPStrategy
@@ -76,11 +78,12 @@ def test_exports_load_in_peft_and_transformers_within_the_quantization_error(tmp
     from peft import PeftModel
 
     ckpt = reference(CONFIG, *from_base(pretrained, META)).checkpoint
-    assert_ok(parallelkit("export-hf", str(ckpt), str(tmp_path / "adapters"), "--adapters", cwd=tmp_path))
-    assert_ok(parallelkit("export-hf", str(ckpt), str(tmp_path / "merged"), cwd=tmp_path))
+    # In this process (the commands are the same functions; test_lora.py runs them as commands).
+    export_hf(ckpt, tmp_path / "adapters", adapters=True)
+    export_hf(ckpt, tmp_path / "merged")
     model = HFCausalLM(pretrained=str(pretrained), lora=QLORA)  # its adapters from the checkpoint, consolidated
-    assert_ok(parallelkit("consolidate", str(ckpt), str(tmp_path / "adapters.pt"), cwd=tmp_path))
-    missing, unexpected = model.load_state_dict(torch.load(tmp_path / "adapters.pt", weights_only=True), strict=False)
+    adapters = torch.load(consolidate(ckpt, tmp_path / "adapters.pt"), weights_only=True)
+    missing, unexpected = model.load_state_dict(adapters, strict=False)
     assert not unexpected and all(not model.get_parameter(n).requires_grad for n in missing)
     tokens = torch.randint(0, LLAMA["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
     base = AutoModelForCausalLM.from_pretrained(pretrained)

@@ -13,7 +13,10 @@ plan (tensor-parallel styles, FSDP units, pipeline layers) applies unchanged:
 - under FSDP2 the adapters share their block's unit with the frozen weights; only they get gradients, so only
   they are reduce-scattered and only they have optimizer state;
 - checkpoints of a parallelkit strategy hold the trainable parameters only (the base weights come from where they
-  came from the first time: `pretrained`, or the seed).
+  came from the first time: `pretrained`, or the seed);
+- QLoRA (`quantize_base: "nf4"`): the adapted layers' frozen weights are stored as NF4 (`parallelkit.quantize`)
+  once their values are known (at build, or read from `pretrained` by a strategy before FSDP shards them), and FSDP2
+  shards and gathers them as 4-bit data; tensor parallelism cannot split them and is refused by the model's plan.
 
 Why not `peft`: its `LoraLayer` wraps the target (`q_proj` becomes a wrapper holding `q_proj.base_layer`), so the
 plan's globs would name a module torch's tensor-parallel styles cannot split, and its DTensor support is tied to

@@ -109,14 +109,18 @@ class _ReplicaThroughput(Throughput):
         return metrics
 
 
+def local_bytes(t: torch.Tensor) -> int:
+    """Bytes this rank holds of `t`: its local shard, and of a tensor subclass made of others (an NF4 weight: codes
+    and scales) those others' bytes."""
+    t = t.to_local() if isinstance(t, DTensor) else t
+    if hasattr(t, "__tensor_flatten__"):
+        return sum(local_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
+    return t.numel() * t.element_size()
+
+
 def training_state_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
     """Bytes this rank holds of parameters, gradients and optimizer state (local shards, from storage sizes)."""
-
-    def local(t: torch.Tensor) -> int:
-        t = t.to_local() if isinstance(t, DTensor) else t
-        if hasattr(t, "__tensor_flatten__"):  # a tensor subclass made of others (an NF4 weight: codes and scales)
-            return sum(local(getattr(t, name)) for name in t.__tensor_flatten__()[0])
-        return t.numel() * t.element_size()
+    local = local_bytes
 
     params = list(module.parameters())
     total = sum(local(p) for p in params) + sum(local(p.grad) for p in params if p.grad is not None)
