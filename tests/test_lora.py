@@ -257,7 +257,10 @@ def test_hf_model_takes_lora_from_the_config_and_keeps_the_base_frozen_on_meta_t
     attention = model.model.model.layers[0].self_attn
     assert all(isinstance(getattr(attention, p), LoRALinear) for p in ("q_proj", "k_proj", "v_proj", "o_proj"))
     assert not isinstance(model.model.model.layers[0].mlp.up_proj, LoRALinear)
-    assert model.hparams.lora == LORA  # plain values: a checkpoint's hyperparameters load with weights_only=True
+    assert model.hparams.lora == {
+        **LORA,
+        "quantize_base": None,
+    }  # plain values: a checkpoint's hyperparameters load with weights_only=True
     assert sum(p.requires_grad for p in model.parameters()) == 16
 
 

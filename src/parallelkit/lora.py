@@ -41,7 +41,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from parallelkit.contract import declared_plan, matches
 from parallelkit.errors import ConfigError
-from parallelkit.quantize import is_nf4, nf4_available, to_nf4
+from parallelkit.quantize import is_nf4, nf4_available, release_freed_memory, to_nf4
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -238,25 +238,30 @@ def adapter_modules(model: nn.Module) -> list[tuple[str, LoRALinear]]:
 
 
 def quantize_base(
-    model: nn.Module, read: Callable[[str], torch.Tensor | None] | None = None, device: torch.device | None = None
+    model: nn.Module,
+    read: Callable[[str], torch.Tensor | None] | None = None,
+    device: torch.device | None = None,
+    prefix: str = "",
 ) -> list[str]:
     """Store the frozen weight of every adapted layer that asks for it (`LoRA.quantize_base`) as NF4, once: a weight
     with values as it is; a weight still on the meta device from `read(name)` (its full-precision values, e.g. from
-    the pretrained files; quantized on `device`, default where they are), left as it is when `read` has none.
-    Returns the names of the weights quantized now."""
+    the pretrained files; quantized on `device`, default where they are; `prefix` makes `model`'s names the ones
+    `read` knows), left as it is when `read` has none. Returns the names of the weights quantized now."""
     done = []
     for name, module in adapter_modules(model):
         weight = module.weight
         if not wants_nf4(module) or is_nf4(weight):
             continue
         if weight.is_meta:
-            values = read(f"{name}.weight") if read is not None else None
+            values = read(f"{prefix}{name}.weight") if read is not None else None
             if values is None:
                 continue
         else:
             values = weight.detach()
         values = values.to(device=device or values.device, dtype=weight.dtype)
         module.weight = nn.Parameter(to_nf4(values, f"{name}.weight"), requires_grad=False)
+        del values
+        release_freed_memory()
         done.append(f"{name}.weight")
     return done
 

@@ -66,8 +66,8 @@ def parallelize(
         if resolved.tp_size > 1:
             apply_tensor_parallel(root, mesh["tp"], resolved)
         experts = apply_expert_parallel(root, mesh["ep"], resolved) if resolved.ep_size > 1 else []
-        if prepare is not None:
-            prepare(root)
+        if prepare is not None and dp_mesh is None:
+            prepare(root)  # with FSDP, each unit just before it is sharded (its full-size parameters one at a time)
         held = dict(root.named_modules())
         units = [runnable_unit(name, fqn, held[fqn]) for fqn in resolved.fsdp_units if fqn in held]
         if compile is None:
@@ -85,6 +85,7 @@ def parallelize(
                 cpu_offload=cpu_offload,
                 experts=experts,
                 experts_mesh=expert_data_mesh(mesh),
+                prepare=prepare,
             )
     return roots
 

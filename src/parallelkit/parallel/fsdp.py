@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from torch import nn
@@ -46,6 +47,7 @@ def apply_fsdp(
     cpu_offload: bool = False,
     experts: list[nn.Module] = (),
     experts_mesh: DeviceMesh | None = None,
+    prepare: Callable[[nn.Module], Any] | None = None,
 ) -> None:
     """fully_shard each fsdp unit, then the root, over `dp_mesh` (2-D replicate x fsdp means HSDP).
 
@@ -56,7 +58,9 @@ def apply_fsdp(
     `reshard_after_forward`: "always" frees every gathered weight after its forward, "never" keeps them all,
     "default" frees all but the last unit and the root: backward needs those first, so freeing them would
     only repeat their all-gather at once. `comm_hook` (a `parallelkit.comm.CommHook`) sets the gradient
-    reduction dtype and may replace the reduce-scatter of every module it shards.
+    reduction dtype and may replace the reduce-scatter of every module it shards. `prepare(module)` runs on each unit
+    (and then the root) just before it is sharded, so what it makes whole (QLoRA's NF4 weights) is whole one unit at
+    a time.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -68,20 +72,27 @@ def apply_fsdp(
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
     ignored = {param for module in experts for param in module.parameters()} if experts_mesh is None else set()
-    if dp_mesh.size() == 1:  # each rank holds every NF4 weight anyway (FSDP2's one-rank gather skips torchao's hooks)
-        ignored |= {param for param in root.parameters() if is_nf4(param)}
     if experts_mesh is not None:
         for module in experts:
             fully_shard(
                 module, reshard_after_forward=reshard_after_forward != "never", **{**options, "mesh": experts_mesh}
             )
-    options["ignored_params"] = ignored or None
+    prepare = prepare or (lambda _: None)
+
+    def shard(group: nn.Module | list[nn.Module], reshard: bool) -> None:
+        modules = group if isinstance(group, list) else [group]
+        for module in modules:
+            prepare(module)
+        skip = set(ignored)
+        if dp_mesh.size() == 1:  # each rank holds every NF4 weight anyway (FSDP2's one-rank gather skips torchao's)
+            skip |= {param for module in modules for param in module.parameters() if is_nf4(param)}
+        fully_shard(group, reshard_after_forward=reshard, **options, ignored_params=skip or None)
+
     for index, unit in enumerate(units):
         last = index == len(units) - 1
-        reshard = reshard_after_forward == "always" or (reshard_after_forward == "default" and not last)
-        fully_shard(unit, reshard_after_forward=reshard, **options)
+        shard(unit, reshard_after_forward == "always" or (reshard_after_forward == "default" and not last))
     # The root holds what no unit does (embeddings, final norm, head).
-    fully_shard(root, reshard_after_forward=reshard_after_forward == "always", **options)
+    shard(root, reshard_after_forward == "always")
     if comm_hook is not None:
         # A group's modules share one FSDP state: configuring its first module configures the group.
         for module in (*(experts if experts_mesh is not None else ()), *units, root):

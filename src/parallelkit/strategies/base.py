@@ -345,8 +345,12 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
     def quantize_base(self, root: Any) -> None:
         """QLoRA (`lora.quantize_base`): the adapted layers' base weights stored as NF4 before FSDP shards them; a
         meta-built weight from the model's `base_weight(name)` (HFCausalLM reads it from `pretrained`)."""
-        read = getattr(self.lightning_module, "base_weight", None)
-        quantize_base(root, read, self.root_device)
+        module = self.lightning_module
+        read = getattr(module, "base_weight", None)
+        if not any(wants_nf4(m) for m in root.modules()):
+            return
+        name = next((n for n, m in module.named_modules() if m is root), "")  # a unit or a stage: its FQN
+        quantize_base(root, read, self.root_device, prefix=f"{name}." if name else "")
         waiting = [name for name, module in adapter_modules(root) if wants_nf4(module) and module.weight.is_meta]
         if waiting:
             raise ConfigError(
