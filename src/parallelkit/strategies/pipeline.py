@@ -228,11 +228,9 @@ class PipelineStrategy(ParallelkitStrategy):
         if self._predicting:  # torch's schedules compute a loss on the last stage whatever the step is for
             return output.new_zeros(())
         loss = self.resolved.plan.loss(output, target)
-        if self._step_targets is None:
-            return loss / self._loss_scale
-        # A token batch: the microbatch's share of the step's token mean, times the data-parallel size that the
-        # stages' gradient reduction divides by (`CausalLM.token_training_step`).
-        return token_share(loss, target, self._step_targets) * self._loss_scale
+        if self._step_targets is not None:  # a token batch: the microbatch's share of the step's token mean
+            loss = token_share(loss, target, self._step_targets)
+        return loss * self._loss_scale
 
     def _check_batch(self, inputs: torch.Tensor) -> None:
         self.pipeline.check_batch(inputs.shape[0])
@@ -242,14 +240,14 @@ class PipelineStrategy(ParallelkitStrategy):
         batch: its share of the step's token mean, summed over the data-parallel group by the caller)."""
         inputs, target = self.resolved.plan.split_batch(batch)
         self._check_batch(inputs)
-        # The whole batch's mean loss is the mean over microbatches; Lightning also divides by
-        # accumulate_grad_batches before its own backward. Both divisions happen here, on each microbatch.
         accumulate = self.lightning_module.trainer.accumulate_grad_batches if train else 1
-        self._loss_scale = self.microbatches * accumulate
         tokens = isinstance(batch, Mapping)
         self._step_targets = batch["num_targets"] if tokens else None
-        if tokens:
-            self._loss_scale = self._dp_size
+        # Pairs: the whole batch's mean loss is the mean over microbatches, and Lightning would divide by
+        # accumulate_grad_batches before its own backward: both divisions happen here, on each microbatch. Token
+        # batches: each share is multiplied by the data-parallel size, which the stages' gradient reduction divides by
+        # (`CausalLM.token_training_step`).
+        self._loss_scale = self._dp_size if tokens else 1 / (self.microbatches * accumulate)
         losses: list[torch.Tensor] = []
         args = self._first_stage_args(batch, inputs)
         run = self._schedule.step if train else self._schedule.eval
