@@ -157,3 +157,21 @@ def test_the_planner_counts_the_nf4_base_at_its_stored_size():
     assert a.params - b.params == pytest.approx(saved / 4)
     assert a.grads == b.grads and a.optimizer == b.optimizer
     assert nf4_bytes(128 * 128) / (128 * 128) < 0.53
+
+
+def test_quantize_others_stores_every_other_linear_layer_but_the_output_layer_in_4_bits():
+    from parallelkit.models import GPT
+
+    torch.manual_seed(0)
+    lora = {"rank": 4, "targets": ["attn.q"], "quantize_base": "nf4", "quantize_others": True}
+    gpt = GPT(n_layer=2, n_head=4, n_embd=128, lora=lora)
+    layers = ("attn.q", "attn.k", "attn.v", "attn.proj", "mlp.up", "mlp.down")
+    assert quantized_names(gpt) == [f"blocks.{i}.{layer}.weight" for i in range(2) for layer in layers]
+    assert [name for name, p in gpt.named_parameters() if p.requires_grad] == [
+        f"blocks.{i}.attn.q.{p}" for i in range(2) for p in ("lora_A", "lora_B")
+    ]
+    tokens = torch.randint(0, 256, (2, 16))
+    gpt.pipeline_loss(gpt(tokens[:, :-1]), tokens[:, 1:]).backward()  # trains through the 4-bit layers
+    assert gpt.blocks[0].attn.q.lora_B.grad.abs().sum() > 0
+    with pytest.raises(ConfigError, match="quantize_others=true stores the other linear layers as quantize_base"):
+        GPT(n_layer=1, n_head=4, n_embd=128, lora={"quantize_others": True})

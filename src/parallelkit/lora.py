@@ -65,6 +65,8 @@ class LoRA:
             "all-linear": every `nn.Linear` but the output layer.
         quantize_base: "nf4": the targeted layers' frozen weights stored in 4 bits (QLoRA; `parallelkit.quantize`,
             needs torchao), the adapters in the training precision. None: the base stays as built.
+        quantize_others: With `quantize_base`, every other linear layer but the output layer stored in 4 bits too
+            (frozen, without adapters); embeddings, norms and the output layer stay in the training precision.
     """
 
     rank: int = 8
@@ -72,6 +74,7 @@ class LoRA:
     dropout: float = 0.0
     targets: list[str] | str = field(default_factory=lambda: ALL_LINEAR)
     quantize_base: str | None = None
+    quantize_others: bool = False
 
     def __post_init__(self) -> None:
         problems = []
@@ -87,6 +90,8 @@ class LoRA:
             self.quantize_base = None  # as a command-line override of one key of the mapping writes null
         if self.quantize_base not in (None, "nf4"):
             problems.append(f"quantize_base={self.quantize_base!r} must be 'nf4' (QLoRA) or null")
+        if self.quantize_others and not self.quantize_base:
+            problems.append("quantize_others=true stores the other linear layers as quantize_base says: set it (nf4)")
         if not self.targets:
             problems.append(f"targets is empty: name module globs (e.g. ['q_proj', 'v_proj']) or {ALL_LINEAR!r}")
         if problems:
@@ -221,6 +226,11 @@ def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[s
         _adapt(module, lora, seed=(seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     if lora.quantize_base:
         nf4_available()  # asking for NF4 without torchao: one clear error, at build time
+        if lora.quantize_others:
+            skip, adapted = output_layers(model), {name for name, _ in chosen}
+            for name, module in named:
+                if type(module) is nn.Linear and name not in skip and name not in adapted:
+                    module.quantize_base = lora.quantize_base
         quantize_base(model)  # weights built with values now; meta ones when their values are known
     return [name for name, _ in chosen]
 
@@ -243,15 +253,16 @@ def quantize_base(
     device: torch.device | None = None,
     prefix: str = "",
 ) -> list[str]:
-    """Store the frozen weight of every adapted layer that asks for it (`LoRA.quantize_base`) as NF4, once: a weight
+    """Store the frozen weight of every layer that asks for it (`LoRA.quantize_base`: adapted layers, and with
+    `quantize_others` the other linear layers) as NF4, once: a weight
     with values as it is; a weight still on the meta device from `read(name)` (its full-precision values, e.g. from
     the pretrained files; quantized on `device`, default where they are; `prefix` makes `model`'s names the ones
     `read` knows), left as it is when `read` has none. Returns the names of the weights quantized now."""
     done = []
-    for name, module in adapter_modules(model):
-        weight = module.weight
-        if not wants_nf4(module) or is_nf4(weight):
+    for name, module in model.named_modules():
+        if not wants_nf4(module) or is_nf4(module.weight):
             continue
+        weight = module.weight
         if weight.is_meta:
             values = read(f"{prefix}{name}.weight") if read is not None else None
             if values is None:
@@ -267,7 +278,7 @@ def quantize_base(
 
 
 def wants_nf4(module: nn.Module) -> bool:
-    """Whether `module` is an adapted layer whose base weight is to be stored as NF4."""
+    """Whether `module` is a linear layer whose (frozen) weight is to be stored as NF4."""
     return getattr(module, "quantize_base", None) == "nf4"
 
 

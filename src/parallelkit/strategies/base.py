@@ -46,7 +46,7 @@ from parallelkit.compat import (
 )
 from parallelkit.errors import ConfigError
 from parallelkit.init import draw_whole_in_hooks, has_meta_tensors, materialize, meta_parameters
-from parallelkit.lora import adapter_modules, quantize_base, wants_nf4
+from parallelkit.lora import quantize_base, wants_nf4
 from parallelkit.mesh import AXES, MeshSpec
 from parallelkit.optim import compile_step
 from parallelkit.parallel import ResolvedPlan, resolve
@@ -351,7 +351,7 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
             return
         name = next((n for n, m in module.named_modules() if m is root), "")  # a unit or a stage: its FQN
         quantize_base(root, read, self.root_device, prefix=f"{name}." if name else "")
-        waiting = [name for name, module in adapter_modules(root) if wants_nf4(module) and module.weight.is_meta]
+        waiting = [name for name, module in root.named_modules() if wants_nf4(module) and module.weight.is_meta]
         if waiting:
             raise ConfigError(
                 f"lora.quantize_base: nf4 with meta_init needs each base weight's values before sharding, to quantize "
