@@ -51,8 +51,9 @@ def parallelize(
     (indices into `resolved.stages`: this rank's) one `StageModule` per stage, the other layers dropped.
 
     `compile`: the `torch.compile` backend for each block, or None (eager). `comm_hook`: a `parallelkit.comm.CommHook`
-    for the gradient reduction. `prepare(root)`: what the caller changes in each root's parameters before they are
-    checkpointed, compiled and sharded (QLoRA's base weights become NF4 there: FSDP shards them as they are then).
+    for the gradient reduction. `prepare(module)`: what the caller changes in a module's parameters before FSDP
+    shards them (QLoRA's base weights become NF4 there): each unit just before it is sharded, then the root; without
+    FSDP, each root after tensor and expert parallelism.
     """
     if resolved is None:
         if stages is not None:
