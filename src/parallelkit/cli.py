@@ -52,6 +52,9 @@ tools (no model, no training):
                                                OUT_DIR only with --overwrite, which keeps files it does not write)
   parallelkit plan --config RUN.yaml --nodes N --devices-per-node G --device-memory 80GB
                                                every valid mesh's memory and communication, and a recommendation
+  parallelkit check --config RUN.yaml          launched as fit: every rank's device and versions, collectives per
+                                               mesh axis with deadlines (--dry-run --nodes N --devices-per-node G:
+                                               the real plan applied in one process with a fake process group)
 """
 
 
@@ -469,12 +472,20 @@ def plan_command(argv: Sequence[str]) -> int:
     return 0 if best else 1
 
 
+def check_command(argv: Sequence[str]) -> int:
+    """Test the run's layout on its cluster (`parallelkit.check`): devices, versions, collectives per mesh axis."""
+    from parallelkit.check import main as check_main
+
+    return check_main(argv)
+
+
 TOOLS: dict[str, Callable[[Sequence[str]], int]] = {
     "env": env_command,
     "plugins": plugins_command,
     "consolidate": consolidate_command,
     "export-hf": export_hf_command,
     "plan": plan_command,
+    "check": check_command,
 }
 
 

@@ -70,6 +70,15 @@ def setup_distributed(strategy: ParallelStrategy) -> None:
     strategy._setup_distributed()
 
 
+def process_group_backend(strategy: ParallelStrategy) -> str:
+    """The backend the strategy's process group uses (its `process_group_backend`, else the device's default)."""
+    from lightning.fabric.utilities.distributed import _get_default_process_group_backend_for_device
+
+    return getattr(strategy, "_process_group_backend", None) or _get_default_process_group_backend_for_device(
+        strategy.root_device
+    )
+
+
 def set_device_mesh(strategy: ParallelStrategy, mesh: DeviceMesh) -> None:
     """Give the strategy and its LightningModule their mesh (`strategy.device_mesh`, `self.device_mesh`), which
     Lightning's ModelParallelStrategy keeps in `_device_mesh` on both."""

@@ -1,0 +1,155 @@
+"""`parallelkit check`: test a run's own layout on its own cluster before its hours of queue time are spent.
+
+parallelkit check --config configs/hybrid.yaml [fit's overrides] [--deadline 60] [--json]
+parallelkit check --dry-run --nodes 16 --devices-per-node 8 --config RUN.yaml [--rank 0]
+
+The live check is launched as `fit` is (Lightning's launcher, torchrun, SLURM) and runs on every rank
+(`parallelkit.check.live`): each rank's host, device and versions on rank 0 (a mixed cluster refused), then
+all-reduce, all-gather and reduce-scatter (all-to-all on ep, send/recv between pipeline stages) over every group of
+every mesh axis at a few sizes, each call with a deadline, the slowest group and a rank that stops answering named.
+The dry run (`parallelkit.check.dry_run`) builds the mesh with a fake process group in one process and applies the
+run's real plan to its model on the meta device, for a cluster this machine need not be.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from parallelkit.check.live import CheckFailed, Options, Result, check, size_text
+from parallelkit.errors import ConfigError
+from parallelkit.mesh import MeshSpec
+
+__all__ = ["main"]
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = argparse.ArgumentParser(prog="parallelkit check", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", required=True, help="the run's YAML, as for `fit`")
+    parser.add_argument("--deadline", type=float, default=60.0, help="seconds a collective may take (default: 60)")
+    parser.add_argument(
+        "--join-deadline", type=float, default=300.0, help="seconds the ranks may take to start and meet (default: 300)"
+    )
+    parser.add_argument("--sizes", default="64KiB,1MiB,16MiB", help="message sizes, comma-separated")
+    parser.add_argument("--iters", type=int, default=5, help="timed repetitions of each collective")
+    parser.add_argument("--allow-mixed", action="store_true", help="a cluster of mixed devices/versions is intended")
+    parser.add_argument("--json", action="store_true", help="machine-readable output on rank 0")
+    parser.add_argument("--dry-run", action="store_true", help="one process, a fake process group: apply the plan")
+    parser.add_argument("--nodes", type=int, help="dry run: nodes of the cluster (default: the config's num_nodes)")
+    parser.add_argument("--devices-per-node", type=int, help="dry run: devices per node (default: the config's)")
+    parser.add_argument("--rank", default="0", help="dry run: the rank to build, or 'all' (default: 0)")
+    parser.epilog = "Other options are fit's overrides of the config, e.g. --trainer.devices=8."
+    return parser.parse_known_args(argv)
+
+
+def main(argv: Sequence[str]) -> int:
+    from parallelkit.cli import _bytes, read_config
+
+    args, overrides = parse(argv)
+    read_config(args.config)
+    if min(args.deadline, args.join_deadline) <= 0 or args.iters < 1:
+        raise ConfigError(
+            f"--deadline {args.deadline:g} --join-deadline {args.join_deadline:g} --iters {args.iters}: deadlines are "
+            "positive seconds and the repetitions at least 1. Fix: e.g. --deadline 60 --join-deadline 300 --iters 5."
+        )
+    sizes = tuple(int(_bytes(s, "--sizes")) for s in args.sizes.split(","))
+    options = Options(args.deadline, args.join_deadline, sizes, args.iters, args.allow_mixed, args.json)
+    if args.dry_run:
+        from parallelkit.check.dry_run import dry_run_command
+
+        return dry_run_command(args, overrides)
+    return launch(args.config, overrides, options)
+
+
+def launch(config: str, overrides: Sequence[str], options: Options) -> int:
+    """Build the run's Trainer from its config (model on the meta device), check that its layout splits the model,
+    and run the check on every rank through the strategy's own launcher."""
+    from parallelkit.check.build import trainer_of
+    from parallelkit.compat import process_group_backend
+    from parallelkit.strategies import ParallelkitStrategy
+
+    trainer, model, datamodule = trainer_of(config, overrides)
+    strategy = trainer.strategy
+    if isinstance(strategy, ParallelkitStrategy):
+        strategy.check_run(model, datamodule, trainer.accumulate_grad_batches)
+        spec = strategy.mesh_spec
+    else:  # DDP and the like: every rank a replica
+        spec = MeshSpec((trainer.world_size,), ("replicate",))
+    launcher = strategy.launcher
+
+    def on_each_rank() -> int:
+        if hasattr(strategy, "set_world_ranks"):
+            strategy.set_world_ranks()
+        env = strategy.cluster_environment
+        rank = env.global_rank() if env is not None else 0
+        device = strategy.root_device
+        if device.type == "cuda":
+            import torch
+
+            torch.cuda.set_device(device)
+        address = (env.main_address, env.main_port) if env is not None else ("127.0.0.1", 29500)
+        backend = process_group_backend(strategy)
+
+        def stop_others() -> None:
+            for proc in getattr(launcher, "procs", []):  # Lightning's launcher: rank 0 started the others
+                proc.kill()
+
+        try:
+            result = check(spec, rank, device, backend, address, options, stop_others)
+        except CheckFailed as err:
+            print(f"parallelkit check: {err}", file=sys.stderr, flush=True)
+            return 1
+        if result is None:
+            return 0
+        show(result, options)
+        return 0 if result.passed else 1
+
+    return launcher.launch(on_each_rank) if launcher is not None else on_each_rank()
+
+
+def show(result: Result, options: Options) -> None:
+    if options.json:
+        print(json.dumps(result.as_dict(), indent=2), flush=True)
+        return
+    console = Console(width=200)
+    ranks = Table(title=f"parallelkit check: {len(result.reports)} ranks on mesh {result.mesh}")
+    for column in ("rank", "host", "device", "memory", "torch", "cuda", "nccl", "driver", "launcher"):
+        ranks.add_column(column, justify="right" if column in ("rank", "memory") else "left")
+    for r in result.reports:
+        memory = f"{r['device_memory'] / 2**30:.1f} GiB" if r["device_memory"] else "-"
+        ranks.add_row(
+            str(r["rank"]), r["host"], r["device"], memory, r["torch"], r["cuda"], r["nccl"], r["driver"], r["launcher"]
+        )
+    console.print(ranks)
+    env = {k: v for r in result.reports[:1] for k, v in r["env"].items()}
+    if env:
+        console.print("environment (rank 0): " + ", ".join(f"{k}={v}" for k, v in env.items()))
+    if result.measurements:
+        table = Table(title="collectives per mesh axis (slowest group; nccl-tests' bus bandwidth)")
+        for column in ("axis", "op", "size", "ranks/group", "latency", "algbw", "busbw", "slowest group"):
+            table.add_column(column, justify="left" if column in ("axis", "op", "slowest group") else "right")
+        for m in result.measurements:
+            row: dict[str, Any] = m.as_dict()
+            table.add_row(
+                m.axis,
+                m.op,
+                size_text(m.size),
+                str(m.group_size),
+                f"{row['latency_us']:,.0f} us",
+                f"{row['algbw_gbps']:.3g} GB/s",
+                f"{row['busbw_gbps']:.3g} GB/s",
+                ", ".join(map(str, row["slowest_group"])),
+            )
+        console.print(table)
+    for warning in result.warnings:
+        console.print(f"[yellow]warning:[/] {warning}")
+    for failure in result.failures:
+        console.print(f"[red]failed:[/] {failure}")
+    console.print("[green]check passed[/]" if result.passed else "[red]check failed[/]")
+
