@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from parallelkit.check.live import CheckFailed, Options, Result, check, size_text
@@ -101,13 +102,15 @@ def launch(config: str, overrides: Sequence[str], options: Options) -> int:
                 proc.kill()
 
         try:
-            result = check(spec, rank, device, backend, address, options, stop_others)
+            result = check(spec, rank, device, backend, address, options)
         except CheckFailed as err:
             print(f"parallelkit check: {err}", file=sys.stderr, flush=True)
             return 1
         if result is None:
             return 0
         show(result, options)
+        if not result.passed:
+            stop_others()  # a rank that never joined or stopped answering would otherwise outlive the check
         return 0 if result.passed else 1
 
     return launcher.launch(on_each_rank) if launcher is not None else on_each_rank()
@@ -148,8 +151,8 @@ def show(result: Result, options: Options) -> None:
             )
         console.print(table)
     for warning in result.warnings:
-        console.print(f"[yellow]warning:[/] {warning}")
+        console.print(f"[yellow]warning:[/] {escape(warning)}")
     for failure in result.failures:
-        console.print(f"[red]failed:[/] {failure}")
+        console.print(f"[red]failed:[/] {escape(failure)}")
     console.print("[green]check passed[/]" if result.passed else "[red]check failed[/]")
 

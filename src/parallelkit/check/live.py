@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import socket
 import time
 from collections import Counter
@@ -163,7 +164,11 @@ def describe_differences(found: dict[str, dict[Any, list[int]]]) -> list[str]:
     lines = []
     for key, values in found.items():
         common = max(values, key=lambda v: len(values[v]))
-        odd = "; ".join(f"rank {_ranks(r)} report {v!r}" for v, r in values.items() if v != common)
+        odd = "; ".join(
+            f"{'rank' if len(r) == 1 else 'ranks'} {_ranks(r)} {'reports' if len(r) == 1 else 'report'} {v!r}"
+            for v, r in values.items()
+            if v != common
+        )
         lines.append(f"{key}: {odd}, where the other ranks report {common!r}")
     return lines
 
@@ -278,8 +283,10 @@ class CheckFailed(Exception):
 
 
 def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return (text[0] if text else type(err).__name__)[:300]
+    """An exception's first line, without gloo's source-location prefix ("[.../pair.cc:534] ")."""
+    lines = str(err).strip().splitlines()
+    line = re.sub(r"^\[[^\]]*\.(?:cc|cpp|h):\d+\]\s*", "", lines[0]) if lines else type(err).__name__
+    return line[:300]
 
 
 # -- the check, on every rank -------------------------------------------------------------------------------------
@@ -315,7 +322,6 @@ def check(
     backend: str,
     address: tuple[str, int],
     options: Options,
-    stop_others: Callable[[], None] = lambda: None,
 ) -> Result | None:
     """Run the check on this rank of `spec`; rank 0 returns the Result (the others None, or raise CheckFailed)."""
     world = spec.world_size
@@ -326,7 +332,6 @@ def check(
         missing = board.wait_for("joined", options.join_deadline)
         if missing:
             board.put("verdict", {"go": False})
-            stop_others()
             result.failures.append(
                 f"rank {_ranks(missing)} never joined: {world - len(missing)} of {world} ranks reached rank 0 within "
                 f"the deadline of {options.join_deadline:g} s (--join-deadline). Check that process started (its launcher's log: a crash at "
@@ -343,14 +348,12 @@ def check(
     timeout = timedelta(seconds=options.deadline)
     dist.init_process_group(backend, store=dist.PrefixStore("pg", board.store), rank=rank, world_size=world, timeout=timeout)
     try:
-        return measure(spec, board, result, device, options, stop_others)
+        return measure(spec, board, result, device, options)
     finally:
         dist.destroy_process_group()
 
 
-def measure(
-    spec: MeshSpec, board: Board, result: Result, device: torch.device, options: Options, stop_others: Callable[[], None]
-) -> Result | None:
+def measure(spec: MeshSpec, board: Board, result: Result, device: torch.device, options: Options) -> Result | None:
     rank, world = board.rank, board.world
     axes = [axis for axis, size in zip(spec.names, spec.sizes) if size > 1] or list(spec.names[:1])
     plan: list[Measurement] = []
@@ -382,7 +385,7 @@ def measure(
         gathered = [torch.empty_like(local) for _ in range(world)]
         dist.all_gather(gathered, local)
     except (RuntimeError, dist.DistError) as err:
-        return failed(board, result, err, options, stop_others)
+        return failed(board, result, err, options)
     board.put(f"done/{rank}", True)
     if rank != 0:
         return None
@@ -395,9 +398,7 @@ def measure(
     return result
 
 
-def failed(
-    board: Board, result: Result, err: BaseException, options: Options, stop_others: Callable[[], None]
-) -> Result | None:
+def failed(board: Board, result: Result, err: BaseException, options: Options) -> Result | None:
     """A collective did not complete within the deadline: say so, and on rank 0 name who stopped answering."""
     rank = board.rank
     board.put(f"failed/{rank}", {"step": board.step, "where": board.where, "error": _first_line(err)})
@@ -429,7 +430,6 @@ def failed(
     for r, f in sorted(failures.items()):
         result.warnings.append(f"rank {r} waited in: {f['where']}: {f['error']}")
     board.put("reported", True)
-    stop_others()
     return result
 
 

@@ -1,0 +1,75 @@
+"""`parallelkit check`, launched as `fit` is (Lightning's launcher, 4 CPU processes, gloo) on the configs' meshes: the
+per-axis figures against a plain timed loop, and the faults it must name without hanging (injected by
+`tests/faults/sitecustomize.py`)."""
+
+import json
+import time
+
+import pytest
+from support import REPO, TESTS, assert_ok, parallelkit, torchrun
+
+FAULTS = str(TESTS / "faults")
+QUICK = ["--sizes", "64KiB,1MiB", "--iters", "3"]
+
+
+def check(tmp_path, config, *args, fault=None, timeout=300):
+    env = {"PYTHONPATH": FAULTS, "PARALLELKIT_CHECK_FAULT": json.dumps(fault)} if fault else {}
+    start = time.monotonic()
+    proc = parallelkit("check", "--config", str(REPO / "configs" / config), *args, cwd=tmp_path, timeout=timeout, **env)
+    return proc, time.monotonic() - start
+
+
+@pytest.mark.parametrize(("config", "axes"), [("hybrid.yaml", {"fsdp", "tp"}), ("3d.yaml", {"pp", "tp"})])
+def test_check_times_every_axis_of_the_configs_mesh_and_passes(tmp_path, config, axes):
+    """Exit 0 and, for every axis of size > 1, each of its collectives at each size with a latency and a bus
+    bandwidth; on hybrid.yaml, tp's all-reduce of 1 MiB within 10x either way of a plain timed loop of the same call
+    on the same pairs of ranks."""
+    proc, _ = check(tmp_path, config, "--json", *QUICK)
+    assert_ok(proc)
+    result = json.loads(proc.stdout[proc.stdout.index("{\n") :])
+    assert result["passed"] and not result["failures"]
+    assert [r["rank"] for r in result["ranks"]] == [0, 1, 2, 3]
+    measured = {(m["axis"], m["op"], m["bytes"]): m for m in result["measurements"]}
+    ops = {"pp": ["send_recv"]}.get
+    for axis in axes:
+        for op in ops(axis, ["all_reduce", "all_gather", "reduce_scatter"]):
+            for size in (64 * 1024, 1024 * 1024):
+                m = measured[(axis, op, size)]
+                assert m["latency_us"] > 0 and m["busbw_gbps"] > 0, m
+                factor = {"all_reduce": 1.0, "send_recv": 1.0}.get(op, 0.5)  # 2(n-1)/n or (n-1)/n for n = 2
+                assert m["busbw_gbps"] == pytest.approx(factor * m["algbw_gbps"])
+    assert {m["axis"] for m in result["measurements"]} == axes
+    if config == "hybrid.yaml":
+        plain = torchrun("timed_all_reduce.py", 4, str(1024 * 1024), "3", cwd=tmp_path)
+        assert_ok(plain)
+        reference = json.loads(plain.stdout.strip().splitlines()[-1])["seconds"] * 1e6
+        ours = measured[("tp", "all_reduce", 1024 * 1024)]["latency_us"]
+        assert reference / 10 < ours < reference * 10, (ours, reference)
+
+
+def test_a_rank_that_never_joins_is_named_within_the_deadline(tmp_path):
+    proc, seconds = check(
+        tmp_path, "hybrid.yaml", "--join-deadline", "30", *QUICK, fault={"rank": 3, "never_join": True}
+    )
+    assert proc.returncode != 0
+    assert "rank 3 never joined: 3 of 4 ranks reached rank 0" in " ".join(proc.stdout.split())
+    assert seconds < 30 + 60, seconds  # the deadline and start-up, not the hour the rank sleeps
+
+
+def test_a_rank_that_stalls_mid_check_is_named_with_its_call_and_nothing_hangs(tmp_path):
+    """Rank 2 stops at its first all-gather (the fsdp group of ranks 0, 2 on [[2, 2]]); its tp partner times out
+    earlier, in all-reduce; rank 0 names rank 2 and the call, then ends the stalled process."""
+    proc, seconds = check(tmp_path, "hybrid.yaml", "--deadline", "5", *QUICK, fault={"rank": 2, "stall": "all_gather"})
+    assert proc.returncode != 0
+    out = " ".join(proc.stdout.split())
+    assert "rank 2 stopped answering during: all_gather of 64 KiB on the fsdp group of ranks 0, 2" in out
+    assert "rank 3 waited in: all_reduce" in out
+    assert seconds < 120, seconds
+
+
+def test_a_rank_on_another_kind_of_device_fails_the_check_naming_it(tmp_path):
+    proc, _ = check(tmp_path, "hybrid.yaml", *QUICK, fault={"rank": 1, "report": {"device": "NVIDIA A100-SXM4-40GB"}})
+    assert proc.returncode == 1
+    out = " ".join(proc.stdout.split())
+    assert "devices are not homogeneous: device: rank 1 reports 'NVIDIA A100-SXM4-40GB', where the other ranks" in out
+    assert "--allow-mixed" in out
