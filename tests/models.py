@@ -427,3 +427,34 @@ class CompiledGraphs(L.Callback):
         after_closure = graphs if self.after_closure is None else self.after_closure
         pl_module.log("compiled_graphs", float(graphs), on_step=True, rank_zero_only=True)
         pl_module.log("optimizer_graphs", float(graphs - after_closure), on_step=True, rank_zero_only=True)
+
+
+class PerturbReplica(L.Callback):
+    """At the end of optimizer step `step`, adds `delta` to this rank's local copy of parameter `name` on global rank
+    `rank` only: a replica trained apart, for ReplicaMonitor to catch."""
+
+    def __init__(self, name: str, step: int, rank: int, delta: float = 1e-3) -> None:
+        self.name, self.step, self.rank, self.delta = name, step, rank, delta
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            param = dict(pl_module.named_parameters())[self.name]
+            with torch.no_grad():
+                (param.to_local() if hasattr(param, "to_local") else param).add_(self.delta)
+            self.step = -1
+
+
+class NoHeadNormReduction(L.Callback):
+    """Test-only: the tp plan leaves per-head norms (Qwen3's q_norm/k_norm) as plain modules, so their weights'
+    gradients are no longer summed over tp (the bug class ReplicaMonitor is there for). Patched in `setup`, before the strategy
+    parallelises the model."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from parallelkit.parallel import tensor_parallel
+
+        style = tensor_parallel.tp_style
+
+        def without_head_norms(name, **kwargs):
+            return None if name == "head_norm" else style(name, **kwargs)
+
+        tensor_parallel.tp_style = without_head_norms

@@ -6,7 +6,7 @@ import json
 import time
 
 import pytest
-from support import REPO, TESTS, assert_ok, parallelkit, torchrun
+from support import FSDP4, REPO, TESTS, assert_ok, parallelkit, torchrun
 
 FAULTS = str(TESTS / "faults")
 QUICK = ["--sizes", "64KiB,1MiB", "--iters", "3"]
@@ -73,3 +73,48 @@ def test_a_rank_on_another_kind_of_device_fails_the_check_naming_it(tmp_path):
     out = " ".join(proc.stdout.split())
     assert "devices are not homogeneous: device: rank 1 reports 'NVIDIA A100-SXM4-40GB', where the other ranks" in out
     assert "--allow-mixed" in out
+
+
+def dry_run(tmp_path, config, *args):
+    proc = parallelkit("check", "--dry-run", "--config", str(config), "--json", *args, cwd=tmp_path)
+    assert_ok(proc)
+    return json.loads(proc.stdout[proc.stdout.index("{\n") :])
+
+
+def test_dry_run_builds_every_rank_as_the_real_run_holds_it(tmp_path, fsdp4_fp32):
+    """hybrid.yaml on [[4, 1]] built rank by rank in one process (fake process group, meta model): each rank's
+    parameter and gradient bytes equal those the session's real run of that layout held (`models.StateBytes`), and
+    the planner's figure equals them too."""
+    out = dry_run(tmp_path, REPO / "configs" / "hybrid.yaml", *FSDP4, "--rank", "all")
+    assert out["mesh"] == '[[4, 1], ["fsdp", "tp"]]' and len(out["ranks"]) == 4
+    for built in out["ranks"]:
+        real = json.loads((fsdp4_fp32 / "state" / f"rank{built['rank']}.json").read_text())
+        assert (built["params"], built["grads"]) == (real["params"], real["grads"])
+        assert built["optimizer"] == pytest.approx(real["optimizer"], rel=0.01)  # AdamW's step counters aside
+    assert out["planner"]["params"] == pytest.approx(max(r["params"] for r in out["ranks"]), rel=0.1)
+
+
+def test_dry_run_applies_the_70b_presets_3d_plan_for_a_64_rank_cluster_in_one_process(tmp_path):
+    """Llama-3.1-70B on [[4, 2, 8], ["pp", "fsdp", "tp"]] (8 nodes of 8), the first rank of the first stage and the
+    last rank of the last: each holds a quarter of the layers, split 16 ways; the planner's figure within 10%."""
+    args = [
+        "--trainer.strategy=parallelkit.PipelineStrategy",
+        '--trainer.strategy.mesh_shape=[[4, 2, 8], ["pp", "fsdp", "tp"]]',
+        "--trainer.strategy.schedule=1f1b",
+        "--nodes",
+        "8",
+        "--devices-per-node",
+        "8",
+        "--rank",
+        "0,63",
+    ]
+    out = dry_run(tmp_path, REPO / "configs" / "models" / "llama3_70b.yaml", *args)
+    first, last = out["ranks"]
+    assert out["world_size"] == 64
+    assert (first["coordinates"], first["stages"]) == ({"pp": 0, "fsdp": 0, "tp": 0}, [0])
+    assert (last["coordinates"], last["stages"]) == ({"pp": 3, "fsdp": 1, "tp": 7}, [3])
+    whole = 70_553_706_496 * 4  # fp32 parameters (bf16-mixed keeps fp32 masters)
+    for rank in (first, last):
+        assert whole / 64 * 0.9 < rank["params"] < whole / 64 * 1.1, rank
+    planned = out["planner"]["params"] + out["planner"]["grads"] + out["planner"]["optimizer"]
+    assert planned == pytest.approx(max(r["state"] for r in out["ranks"]), rel=0.1)

@@ -66,12 +66,17 @@ def baselines(baseline):
 def test_layout_matches_single_process_losses(
     tmp_path, corpus, baselines, name, mesh, devices, batch_size, extra, expected
 ):
-    assert_ok(
-        fit("hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache"), *layout(mesh, devices, batch_size), *extra)
-    )
+    """Also: the replicas every layout keeps (tp's whole norms, HSDP's replicate axis) stay equal, checked every 5
+    steps by a ReplicaMonitor that would end the run."""
+    replicas = callback("parallelkit.callbacks.ReplicaMonitor", every_n_steps=5, on_mismatch="raise")
+    overrides = (*common(corpus, tmp_path / "cache"), *layout(mesh, devices, batch_size), *extra, replicas)
+    assert_ok(fit("hybrid.yaml", tmp_path, *overrides))
     losses = step_losses(tmp_path)
     assert_same_losses(baselines[expected], losses)
     assert losses[STEPS - 1] < losses[0] - 1.0
+    # From step 5 on, the parameters it compared: none under fsdp alone, which replicates nothing.
+    compared = step_losses(tmp_path, "replicas/compared")
+    assert min(compared) == 4 and (min(compared.values()) > 0) == (name != "fsdp2_accumulate2"), compared
 
 
 def test_hybrid_trains_in_bf16_mixed_close_to_fp32(tmp_path, corpus, baselines):

@@ -76,10 +76,15 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_hf_model_matches_single_process_losses(tmp_path, corpus, reference, name):
+    """Also: what the layout keeps replicated (Qwen3's per-head norms over tp, every norm under tp) stays equal,
+    checked every 5 steps by a ReplicaMonitor that would end the run."""
     model, layout = LAYOUTS[name]
     expected = reference(LLAMA, *model, *ONE_PROCESS).losses()
-    assert_ok(fit(LLAMA, tmp_path, *common(corpus, tmp_path / "cache"), *model, *layout))
+    replicas = callback("parallelkit.callbacks.ReplicaMonitor", every_n_steps=5, on_mismatch="raise")
+    assert_ok(fit(LLAMA, tmp_path, *common(corpus, tmp_path / "cache"), *model, *layout, replicas))
     assert_same_losses(expected, step_losses(tmp_path))
+    compared = step_losses(tmp_path, "replicas/compared")  # from step 5 on; none under fsdp alone
+    assert min(compared) == 4 and (min(compared.values()) > 0) == ("fsdp" not in name), compared
 
 
 def test_hf_llama_on_2x2_with_sequence_parallelism_matches_single_process_losses(reference):

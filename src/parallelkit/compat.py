@@ -11,9 +11,11 @@ Over 400 lines: its point is to hold every such name in one file, each in a smal
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import re
 import warnings
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -77,6 +79,21 @@ def process_group_backend(strategy: ParallelStrategy) -> str:
     return getattr(strategy, "_process_group_backend", None) or _get_default_process_group_backend_for_device(
         strategy.root_device
     )
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """torch's fake process group as the default group, for `rank` of `world_size`: collectives return at once and
+    move nothing, so one process can build any rank's mesh and shard a meta model as that rank would (torch's test
+    utility `torch.testing._internal.distributed.fake_pg`, which registers the "fake" backend)."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
 
 
 def set_device_mesh(strategy: ParallelStrategy, mesh: DeviceMesh) -> None:

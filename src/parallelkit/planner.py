@@ -501,23 +501,39 @@ def candidates(
     return found
 
 
+def estimate_layout(
+    model: nn.Module,
+    prof: ModelProfile,
+    spec: MeshSpec,
+    schedule: str | None,
+    work: Workload,
+    hw: Hardware,
+    stages_per_rank: int | None = None,
+    microbatches: int | None = None,
+) -> Estimate:
+    """`estimate` of one layout of `model` (profiled as `prof`): its pipeline stages split as PipelineStrategy splits
+    them (`stages_per_rank`: 2 for interleaved_1f1b unless given), its micro-batches PipelineStrategy's default."""
+    pp = spec.size("pp")
+    if pp == 1:
+        return estimate(prof, spec, work, hw, schedule)
+    v = stages_per_rank or (2 if schedule == "interleaved_1f1b" else 1)
+    by_name = {layer.name: layer for layer in prof.layers}
+    names = split_stages(model, [layer.name for layer in prof.layers], pp * v)
+    stages = [[by_name[n] for n in stage] for stage in names]
+    m = microbatches or min(Schedule(schedule, pp, v).microbatches, work.micro_batch)
+    return estimate(prof, spec, work, hw, schedule, m, stages)
+
+
 def recommend(
     model: nn.Module, work: Workload, hw: Hardware, pipeline: bool = True
 ) -> tuple[list[Estimate], Estimate | None, str]:
     """Every candidate's estimate (cheapest first), the recommended one (None when none fits), and the one-line
     reason."""
     prof = profile(model, work.seq_len, _divisors(hw.devices_per_node))
-    estimates = []
-    by_name = {layer.name: layer for layer in prof.layers}
-    for spec, schedule in candidates(prof, hw, work, pipeline):
-        pp = spec.size("pp")
-        v = 2 if schedule == "interleaved_1f1b" else 1
-        stages = None
-        if pp > 1:
-            names = split_stages(model, [layer.name for layer in prof.layers], pp * v)
-            stages = [[by_name[n] for n in stage] for stage in names]
-        m = min(Schedule(schedule, pp, v).microbatches, work.micro_batch) if pp > 1 else None  # PipelineStrategy's
-        estimates.append(estimate(prof, spec, work, hw, schedule, m, stages))
+    estimates = [
+        estimate_layout(model, prof, spec, schedule, work, hw)
+        for spec, schedule in candidates(prof, hw, work, pipeline)
+    ]
     estimates.sort(key=lambda e: (not e.fits, -e.tokens_per_s, e.peak))
     fitting = [e for e in estimates if e.fits]
     if not fitting:

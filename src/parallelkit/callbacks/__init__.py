@@ -5,6 +5,7 @@ from parallelkit.callbacks.comm import CommunicationMonitor
 from parallelkit.callbacks.experts import ExpertMonitor
 from parallelkit.callbacks.monitors import RankMonitor, ThroughputMonitor
 from parallelkit.callbacks.preemption import PreemptionCheckpoint
+from parallelkit.callbacks.replicas import ReplicaMismatch, ReplicaMonitor
 
 __all__ = [
     "ActivationMemoryMonitor",
@@ -12,5 +13,7 @@ __all__ = [
     "ExpertMonitor",
     "PreemptionCheckpoint",
     "RankMonitor",
+    "ReplicaMismatch",
+    "ReplicaMonitor",
     "ThroughputMonitor",
 ]

@@ -155,4 +155,3 @@ def show(result: Result, options: Options) -> None:
     for failure in result.failures:
         console.print(f"[red]failed:[/] {escape(failure)}")
     console.print("[green]check passed[/]" if result.passed else "[red]check failed[/]")
-

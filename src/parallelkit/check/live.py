@@ -21,7 +21,6 @@ import platform
 import re
 import socket
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -204,7 +203,9 @@ def run_collective(op: str, size: int, group: Any, ranks: tuple[int, ...], rank:
     if op == "all_reduce":
         dist.all_reduce(whole, group=group)
     elif op == "all_gather":
-        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(whole, part, group=group)  # new name, torch 2.13
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(
+            whole, part, group=group
+        )  # new name, torch 2.13
     elif op == "reduce_scatter":
         getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(part, whole, group=group)
     elif op == "all_to_all":
@@ -334,19 +335,23 @@ def check(
             board.put("verdict", {"go": False})
             result.failures.append(
                 f"rank {_ranks(missing)} never joined: {world - len(missing)} of {world} ranks reached rank 0 within "
-                f"the deadline of {options.join_deadline:g} s (--join-deadline). Check that process started (its launcher's log: a crash at "
-                "import, a node that never came up, a job step stuck in the queue) and can reach "
-                f"{address[0]}:{address[1]}."
+                f"the deadline of {options.join_deadline:g} s (--join-deadline). Check that process started (its "
+                "launcher's log: a crash at import, a node that never came up, a job step stuck in the queue) and can "
+                f"reach {address[0]}:{address[1]}."
             )
             result.reports = [board.get(f"joined/{r}") for r in board.present("joined")]
             return result
         result.reports = [board.get(f"joined/{r}") for r in range(world)]
         board.put("verdict", {"go": True})
     elif not board.wait_for_key("verdict", 2 * options.join_deadline) or not board.get("verdict")["go"]:
-        raise CheckFailed(f"rank {rank}: rank 0 called the check off (another rank did not join); its output says which.")
+        raise CheckFailed(
+            f"rank {rank}: rank 0 called the check off (another rank did not join); its output says which."
+        )
 
     timeout = timedelta(seconds=options.deadline)
-    dist.init_process_group(backend, store=dist.PrefixStore("pg", board.store), rank=rank, world_size=world, timeout=timeout)
+    dist.init_process_group(
+        backend, store=dist.PrefixStore("pg", board.store), rank=rank, world_size=world, timeout=timeout
+    )
     try:
         return measure(spec, board, result, device, options)
     finally:
@@ -442,8 +447,8 @@ def judge(spec: MeshSpec, result: Result, options: Options) -> None:
         if crossing:
             result.warnings.append(
                 f"tp crosses nodes: the tp group of ranks {_ranks(crossing[0])} spans hosts "
-                f"{', '.join(sorted({hosts[r] for r in crossing[0]}))}. Tensor parallelism communicates in every layer; "
-                "keep it inside a node (tp <= devices per node, tp as the last mesh axis)."
+                f"{', '.join(sorted({hosts[r] for r in crossing[0]}))}. Tensor parallelism communicates in every "
+                "layer; keep it inside a node (tp <= devices per node, tp as the last mesh axis)."
             )
     largest = max(options.sizes)
     bandwidth = {
@@ -471,4 +476,3 @@ def size_text(size: int) -> str:
         if size >= scale:
             return f"{size / scale:.3g} {unit}"
     return f"{size} B"
-

@@ -32,6 +32,7 @@ from parallelkit.callbacks.activations import ActivationMemoryMonitor
 from parallelkit.callbacks.comm import CommunicationMonitor
 from parallelkit.callbacks.monitors import RankMonitor
 from parallelkit.callbacks.preemption import PreemptionCheckpoint
+from parallelkit.callbacks.replicas import ReplicaMonitor
 from parallelkit.checkpoint.strategy import FLAT, ShardedCheckpoints
 from parallelkit.comm import CommHook, reduce_logged
 from parallelkit.comm import resolve as resolve_comm_hook
@@ -360,14 +361,20 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
                 "weights and quantized at once), or load pretrained weights."
             )
 
+    def axes_out_of_sync(self) -> set[str]:
+        """Mesh axes along which ranks' replicated parameters may differ right now (`ReplicaMonitor` skips them): none
+        for a strategy that keeps its replicas equal after every step."""
+        return set()
+
     @abstractmethod
     def parallelize_model(self, trainer: Any) -> None:
         """Make `self.model` parallel over `self.device_mesh`."""
 
     def default_callbacks(self) -> list[Any]:
         """Callbacks `setup` adds to the trainer's unless it has one of the same class: `PreemptionCheckpoint`
-        (SIGTERM saves last.ckpt, then exits cleanly), and `CommunicationMonitor` with `profile_communication`."""
-        callbacks: list[Any] = [PreemptionCheckpoint()]
+        (SIGTERM saves last.ckpt, then exits cleanly), `ReplicaMonitor` (replicated parameters compared across ranks
+        every 100 steps) and `CommunicationMonitor` with `profile_communication`."""
+        callbacks: list[Any] = [PreemptionCheckpoint(), ReplicaMonitor()]
         if self.profile_communication:
             callbacks.insert(0, CommunicationMonitor())
         return callbacks

@@ -181,6 +181,10 @@ class DiLoCoStrategy(FSDPTPStrategy):
         """Whether the replicas' weights may differ now: a step was taken since the last synchronisation."""
         return self._anchor is not None and self.lightning_module.trainer.global_step % self.sync_every != 0
 
+    @override
+    def axes_out_of_sync(self) -> set[str]:
+        return {"replicate"} if self._between_syncs() else set()
+
     def _replica_zero_only(self) -> bool:
         # DCP writes a key that several ranks give once, from whichever rank it picks, tensor by tensor: from
         # replicas whose weights and inner optimizer states differ, that would be a mixture no replica ever had.
