@@ -446,8 +446,8 @@ class PerturbReplica(L.Callback):
 
 class NoHeadNormReduction(L.Callback):
     """Test-only: the tp plan leaves per-head norms (Qwen3's q_norm/k_norm) as plain modules, so their weights'
-    gradients are no longer summed over tp (the bug class ReplicaMonitor is there for). Patched in `setup`, before the strategy
-    parallelises the model."""
+    gradients are no longer summed over tp (the bug class ReplicaMonitor is there for). Patched in `setup`, before the
+    strategy parallelises the model."""
 
     def setup(self, trainer, pl_module, stage) -> None:
         from parallelkit.parallel import tensor_parallel
