@@ -3,6 +3,7 @@
 import json
 import os
 import signal
+import time
 from pathlib import Path
 
 import lightning as L
@@ -458,3 +459,15 @@ class NoHeadNormReduction(L.Callback):
             return None if name == "head_norm" else style(name, **kwargs)
 
         tensor_parallel.tp_style = without_head_norms
+
+
+class HangAt(L.Callback):
+    """Rank `rank` stops (sleeps `seconds`) as optimizer step `step` starts: the others wait for it in their next
+    collective until the strategy's timeout."""
+
+    def __init__(self, rank: int, step: int, seconds: float = 600.0) -> None:
+        self.rank, self.step, self.seconds = rank, step, seconds
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == self.rank and trainer.global_step == self.step:
+            time.sleep(self.seconds)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 import torch.distributed as dist
-from support import assert_ok, assert_same_losses, fit, step_losses
+from support import assert_ok, assert_same_losses, callback, fit, step_losses
 from support import common as run_args
 from test_plugins import install_fake_distribution
 
@@ -273,3 +273,20 @@ def test_int8_error_feedback_sends_each_steps_rounding_error_with_the_next_step(
     torch.testing.assert_close(drift, -hook.residual, rtol=0, atol=1e-5)  # sent = arrived + what is still held
     assert drift.abs().max() <= half_step * 1.01  # one step's rounding, not eight
     assert drift.norm() < 8 * rounding.norm() / 4  # without feedback: drift = 8 x rounding
+
+
+def test_a_collective_timeout_prints_each_waiting_ranks_last_collectives(tmp_path, corpus):
+    """[[2, 2]] with a 5-second timeout: rank 3 stops as step 3 starts. Every other rank's first collective of step
+    3 times out; each prints its last collectives, the one it is stuck in marked as never returned, with the group
+    (which names rank 3 among its peers) and size; the job ends instead of waiting the hour rank 3 sleeps."""
+    hang = callback("models.HangAt", rank=3, step=3)
+    proc = fit(
+        "hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache", steps=6), "--trainer.strategy.timeout=5", hang
+    )
+    assert proc.returncode != 0
+    err = proc.stderr
+    assert "parallelkit: rank 0: a collective timed out" in err, err[-3000:]
+    record = err[err.index("parallelkit: rank 0: a collective timed out") :]
+    stuck = [line for line in record.splitlines()[1:17] if "NEVER RETURNED" in line]
+    assert len(stuck) == 1 and stuck[0].strip().startswith("step 3: all_gather over ranks "), record[:3000]
+    assert "step 2: reduce_scatter" in record  # the previous step's calls, returned

@@ -122,7 +122,15 @@ def test_replicas_sharded_over_fsdp_are_still_ddp(tmp_path, corpus, ddp):
 
 
 def test_sync_every_8_sends_an_eighth_of_ddps_data_parallel_bytes(tmp_path, corpus, ddp):
-    diloco = fit(CONFIG, tmp_path / "run", corpus, "--trainer.max_steps=16", *SGD)
+    """Also: parallelkit's ReplicaMonitor, every 2 steps and raising on a mismatch, leaves the replicas alone between
+    synchronisations (they differ by design) and finds them equal right after each (steps 8 and 16)."""
+    replicas = (
+        '--trainer.callbacks+={"class_path": "parallelkit.callbacks.ReplicaMonitor", '
+        '"init_args": {"every_n_steps": 2, "on_mismatch": "raise"}}'
+    )
+    diloco = fit(CONFIG, tmp_path / "run", corpus, "--trainer.max_steps=16", *SGD, replicas)
+    compared = diloco["replicas/compared"]
+    assert compared[7] == compared[15] > 0 and {compared[s] for s in (1, 3, 5, 9, 11, 13)} == {0.0}, compared
     ddp_bytes = sum(ddp["comm/all_reduce_bytes"].values())
     diloco_bytes = diloco["comm/all_reduce_bytes"]
     # Every step all-reduces the 4-byte logged loss; steps 8 and 16 also all-reduce every parameter once.

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import sys
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
+from dataclasses import dataclass
 from typing import Any
 
 import lightning as L
@@ -48,25 +50,79 @@ def _payload_bytes(args: Any) -> int:
     return max((size(a) for a in args), default=0)
 
 
-class _CollectiveCounter(TorchDispatchMode):
-    """Sees every c10d and functional-collective op dispatched while active (FSDP2, DTensor, pipelining, DDP)."""
+def _group_ranks(args: Any) -> tuple[int, ...] | None:
+    """The global ranks of the process group a c10d op was given (a ProcessGroup, or a functional collective's group
+    name), or None when none is recognisable."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
-    def __init__(self) -> None:
+    for arg in args:
+        try:
+            if isinstance(arg, dist.ProcessGroup):
+                return tuple(dist.get_process_group_ranks(arg))
+            if isinstance(arg, str):
+                return tuple(dist.get_process_group_ranks(_resolve_process_group(arg)))
+        except (RuntimeError, ValueError, KeyError):
+            continue
+    return None
+
+
+@dataclass
+class Call:
+    """One collective as the recorder saw it: `done` stays False for a call that never returned."""
+
+    step: int
+    kind: str
+    ranks: tuple[int, ...] | None
+    nbytes: int
+    done: bool = False
+
+    def __str__(self) -> str:
+        group = f"ranks {','.join(map(str, self.ranks))}" if self.ranks else "group ?"
+        state = "returned" if self.done else "NEVER RETURNED"
+        return f"step {self.step}: {self.kind} over {group}, {self.nbytes / 2**20:.3f} MiB, {state}"
+
+
+class _CollectiveCounter(TorchDispatchMode):
+    """Sees every c10d and functional-collective op dispatched while active (FSDP2, DTensor, pipelining, DDP); the
+    last calls go into `recent` (a bounded deque the monitor keeps across steps)."""
+
+    def __init__(self, recent: deque[Call] | None = None, step: int = 0) -> None:
         super().__init__()
         self.totals: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])  # count, bytes, seconds
+        self.recent = recent if recent is not None else deque(maxlen=RECENT_CALLS)
+        self.step = step
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         if func.namespace not in ("c10d", "_c10d_functional"):
             return func(*args, **(kwargs or {}))
         kind = _kind(str(func))
+        call = None
+        if kind is not None:
+            call = Call(self.step, kind, _group_ranks(args), _payload_bytes(args))
+            self.recent.append(call)
         begin = time.perf_counter()
         result = func(*args, **(kwargs or {}))
-        if kind is not None:
+        if call is not None:
+            call.done = True
             entry = self.totals[kind]
             entry[0] += 1
-            entry[1] += _payload_bytes(args)
+            entry[1] += call.nbytes
             entry[2] += time.perf_counter() - begin
         return result
+
+
+RECENT_CALLS = 16
+"""How many of its last collectives a rank prints when one times out."""
+
+TIMEOUT_MARKERS = ("timed out", "timeout", "watchdog")
+"""Words of an exception's message that make it a collective timeout (gloo: "Timed out waiting ...ms", NCCL's
+watchdog: "Watchdog caught collective operation timeout")."""
+
+
+def is_timeout(exception: BaseException) -> bool:
+    text = str(exception).lower()
+    return any(marker in text for marker in TIMEOUT_MARKERS)
 
 
 class CommunicationMonitor(L.Callback):
@@ -78,6 +134,11 @@ class CommunicationMonitor(L.Callback):
     reduce_scatter's input). Time is host time in the collective calls: for asynchronous collectives (FSDP2 on
     GPUs) that is the launch, not the transfer. Enabled by `profile_communication: true` on any parallelkit
     strategy, or added as a callback with any strategy.
+
+    It also keeps each rank's last `RECENT_CALLS` collectives (step, kind, group, size, whether it returned): when a
+    collective times out (the strategy's `timeout`), every rank prints them, so the rank that stopped and the call
+    the others wait in are visible. On NCCL, torch's own flight recorder dumps its trace as well
+    (`TORCH_NCCL_TRACE_BUFFER_SIZE`, `TORCH_NCCL_DUMP_ON_TIMEOUT`, which parallelkit strategies set when unset).
     """
 
     def __init__(self) -> None:
@@ -86,13 +147,14 @@ class CommunicationMonitor(L.Callback):
         self._all: dict[str, list[float]] = defaultdict(lambda: [0, 0, 0.0])
         self._steps = 0
         self._step_before = 0
+        self.recent: deque[Call] = deque(maxlen=RECENT_CALLS)
 
     @override
     def on_train_batch_start(
         self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._step_before = trainer.global_step
-        self._counter = _CollectiveCounter()
+        self._counter = _CollectiveCounter(self.recent, trainer.global_step)
         self._counter.__enter__()
 
     @override
@@ -123,7 +185,17 @@ class CommunicationMonitor(L.Callback):
 
     @override
     def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        """On a collective timeout, print this rank's last collectives (oldest first) on stderr: across the ranks'
+        printouts, the rank that never reached the call the others are stuck in, and that call, stand out."""
         self._stop(self._window)
+        if is_timeout(exception) and self.recent:
+            lines = "\n".join(f"  {call}" for call in self.recent)
+            print(
+                f"parallelkit: rank {trainer.global_rank}: a collective timed out ({_first_line(exception)}); this "
+                f"rank's last {len(self.recent)} collectives, oldest first:\n{lines}",
+                file=sys.stderr,
+                flush=True,
+            )
 
     @override
     def on_fit_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -139,3 +211,8 @@ class CommunicationMonitor(L.Callback):
             n = self._steps
             table.add_row(kind, f"{count / n:.1f}", f"{nbytes / n / 2**20:.3f}", f"{1000 * seconds / n:.2f}")
         Console().print(table)
+
+
+def _first_line(exception: BaseException) -> str:
+    lines = str(exception).strip().splitlines()
+    return lines[0][:200] if lines else type(exception).__name__

@@ -129,11 +129,12 @@ class ReplicaMonitor(L.Callback):
         if self.axes is None:
             self.axes = self._axes(trainer, pl_module)
         skipped = getattr(trainer.strategy, "axes_out_of_sync", set)()  # e.g. DiLoCo's replicas between syncs
-        found = [line for axis in self.axes if axis.name not in skipped and (line := self.compare(axis, step))]
+        axes = [axis for axis in self.axes if axis.name not in skipped]
+        found = [line for axis in axes if (line := self.compare(axis, step))]
         self.mismatches += found
         for line in found:
             log.error(line)
-        compared = sum(len(axis.params) for axis in self.axes)
+        compared = sum(len(axis.params) for axis in axes)
         pl_module.log("replicas/compared", float(compared), on_step=True, on_epoch=False, rank_zero_only=True)
         if self.on_mismatch == "raise" and self.axes:
             flag = torch.tensor([float(bool(found))], device=pl_module.device)

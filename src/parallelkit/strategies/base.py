@@ -16,6 +16,7 @@ Over 400 lines: that lifecycle is one class's; split further, a reader would fol
 
 from __future__ import annotations
 
+import os
 from abc import abstractmethod
 from collections.abc import Generator, Sequence
 from contextlib import contextmanager, nullcontext
@@ -39,6 +40,7 @@ from parallelkit.comm import resolve as resolve_comm_hook
 from parallelkit.compat import (
     destroy_process_groups_at_exit,
     model_class_name,
+    process_group_backend,
     quiet_root_view_warning,
     run_as_forward,
     saves_distributed_checkpoint,
@@ -270,6 +272,9 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
     # -- process groups --------------------------------------------------------------------------------------
     @override
     def setup_environment(self) -> None:
+        if process_group_backend(self) == "nccl":  # torch's flight recorder: each rank's trace dumped on a timeout
+            os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+            os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         setup_distributed(self)
         destroy_process_groups_at_exit()
         if self.mesh_shape == "auto":
