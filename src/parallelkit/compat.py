@@ -16,6 +16,7 @@ import logging
 import re
 import warnings
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -94,6 +95,20 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
         yield
     finally:
         dist.destroy_process_group()
+
+
+def set_group_timeout(group: Any, timeout: timedelta) -> None:
+    """Make collectives on `group` fail after `timeout` (torch's private `_set_pg_timeout`)."""
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timeout, group)
+
+
+def process_group_named(name: str) -> Any:
+    """The process group a functional collective names by its `group_name` (torch's `_resolve_process_group`)."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(name)
 
 
 def set_device_mesh(strategy: ParallelStrategy, mesh: DeviceMesh) -> None:

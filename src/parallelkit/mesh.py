@@ -16,11 +16,12 @@ import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 from torch.distributed.device_mesh import DeviceMesh
 
-from parallelkit.compat import flatten_mesh, flattened_meshes, mesh_with_flattened
+from parallelkit.compat import flatten_mesh, flattened_meshes, mesh_with_flattened, set_group_timeout
 from parallelkit.errors import MeshError
 
 AXES = ("pp", "replicate", "fsdp", "ep", "tp")
@@ -213,12 +214,14 @@ class MeshSpec:
             index = index * self.size(axis) + coords.get(axis, 0)
         return index
 
-    def build(self, device_type: str) -> DeviceMesh:
+    def build(self, device_type: str, timeout: timedelta | None = None) -> DeviceMesh:
         """Create the DeviceMesh (process groups included); needs the default process group.
 
         Flattened axes are added under Lightning's names (`LIGHTNING_AXES`): `mesh["data_parallel"]` spans every
         data-parallel axis (the sampler's and metrics' group), `mesh["tensor_parallel"]` is tp; with an `ep` axis,
-        `mesh["dp_shard"]` spans `fsdp` x `ep` (what dense parameters are sharded over).
+        `mesh["dp_shard"]` spans `fsdp` x `ep` (what dense parameters are sharded over). `timeout`: how long a
+        collective on any of the mesh's groups may wait (torch gives the groups a mesh creates its 30-minute default,
+        not the default group's timeout); None leaves torch's.
         """
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -231,6 +234,9 @@ class MeshSpec:
                 flatten_mesh(mesh[present], name)
         if all(axis in self.names for axis in ("fsdp", "ep")):
             flatten_mesh(mesh["fsdp", "ep"], SHARD_MESH)
+        if timeout is not None:
+            for name in (*self.names, *flattened_meshes(mesh)):
+                set_group_timeout(mesh[name].get_group(), timeout)
         mesh.__class__ = NamedMesh  # the same object, answering to the flattened names too
         return mesh
 

@@ -54,15 +54,18 @@ def _group_ranks(args: Any) -> tuple[int, ...] | None:
     """The global ranks of the process group a c10d op was given (a ProcessGroup, or a functional collective's group
     name), or None when none is recognisable."""
     import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    from parallelkit.compat import process_group_named
 
     for arg in args:
         try:
+            if isinstance(arg, torch.ScriptObject):  # how c10d ops carry their group through the dispatcher
+                arg = dist.ProcessGroup.unbox(arg)
             if isinstance(arg, dist.ProcessGroup):
                 return tuple(dist.get_process_group_ranks(arg))
             if isinstance(arg, str):
-                return tuple(dist.get_process_group_ranks(_resolve_process_group(arg)))
-        except (RuntimeError, ValueError, KeyError):
+                return tuple(dist.get_process_group_ranks(process_group_named(arg)))
+        except (RuntimeError, ValueError, KeyError, TypeError):
             continue
     return None
 
@@ -78,9 +81,9 @@ class Call:
     done: bool = False
 
     def __str__(self) -> str:
-        group = f"ranks {','.join(map(str, self.ranks))}" if self.ranks else "group ?"
-        state = "returned" if self.done else "NEVER RETURNED"
-        return f"step {self.step}: {self.kind} over {group}, {self.nbytes / 2**20:.3f} MiB, {state}"
+        group = f" over ranks {','.join(map(str, self.ranks))}" if self.ranks else ""
+        state = "" if self.done else "  <- never returned: the call that timed out"
+        return f"step {self.step}: {self.kind}{group}, {self.nbytes / 2**20:.3f} MiB{state}"
 
 
 class _CollectiveCounter(TorchDispatchMode):
@@ -98,13 +101,14 @@ class _CollectiveCounter(TorchDispatchMode):
             return func(*args, **(kwargs or {}))
         kind = _kind(str(func))
         call = None
-        if kind is not None:
-            call = Call(self.step, kind, _group_ranks(args), _payload_bytes(args))
+        if kind is not None or "wait_tensor" in str(func):  # a functional collective's result, waited for
+            call = Call(self.step, kind or "wait for the previous", _group_ranks(args), _payload_bytes(args))
             self.recent.append(call)
         begin = time.perf_counter()
         result = func(*args, **(kwargs or {}))
         if call is not None:
             call.done = True
+        if kind is not None:
             entry = self.totals[kind]
             entry[0] += 1
             entry[1] += call.nbytes
@@ -191,8 +195,10 @@ class CommunicationMonitor(L.Callback):
         if is_timeout(exception) and self.recent:
             lines = "\n".join(f"  {call}" for call in self.recent)
             print(
-                f"parallelkit: rank {trainer.global_rank}: a collective timed out ({_first_line(exception)}); this "
-                f"rank's last {len(self.recent)} collectives, oldest first:\n{lines}",
+                f"parallelkit: rank {trainer.global_rank}: a collective timed out ({_first_line(exception)}); the "
+                f"last {len(self.recent)} collectives this rank called, oldest first (an asynchronous one, as FSDP's, "
+                f"returns at once and is waited for later); a rank that printed no such list is the one the others "
+                f"wait for:\n{lines}",
                 file=sys.stderr,
                 flush=True,
             )

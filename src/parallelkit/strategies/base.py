@@ -142,6 +142,7 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         self.compile_optimizer = compile_optimizer
         self.cpu_offload = cpu_offload
         self.meta_init = meta_init
+        self.collective_timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
 
     # -- configuration, checked in the launching process before any worker starts --------------------------
     def check_options(self) -> None:
@@ -282,7 +283,7 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
             if planned is not None:
                 self.use_mesh(planned)
         # The escape hatch: a model that overrides configure_model() parallelises itself with this mesh.
-        set_device_mesh(self, self.mesh_spec.build(self.root_device.type))
+        set_device_mesh(self, self.mesh_spec.build(self.root_device.type, self.collective_timeout))
 
     @property
     @override
