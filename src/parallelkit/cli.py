@@ -4,8 +4,8 @@ parallelkit fit --config configs/ddp.yaml --trainer.max_steps=20
 parallelkit env --mesh '[[2, 2], ["fsdp", "tp"]]' --devices 4
 parallelkit plugins
 
-Over 400 lines: the LightningCLI subclass and the tools (`env`, `plugins`, `consolidate`, `export-hf`, `plan`)
-share its config reading and error reporting (`main`).
+Over 400 lines: the LightningCLI subclass and the tools (`env`, `plugins`, `consolidate`, `export-hf`, `plan`,
+`check`) share its config reading and error reporting (`main`).
 """
 
 from __future__ import annotations
@@ -472,11 +472,58 @@ def plan_command(argv: Sequence[str]) -> int:
     return 0 if best else 1
 
 
-def check_command(argv: Sequence[str]) -> int:
-    """Test the run's layout on its cluster (`parallelkit.check`): devices, versions, collectives per mesh axis."""
-    from parallelkit.check import main as check_main
+CHECK_TRAINER_KEYS = ("accelerator", "strategy", "devices", "num_nodes", "precision", "plugins")
+"""The Trainer arguments `check` builds the run's Trainer from: processes, devices and layout, not training."""
 
-    return check_main(argv)
+
+def check_command(argv: Sequence[str]) -> int:
+    """Test the run's layout on its cluster, launched as `fit` is (`parallelkit.check`): every rank's device and
+    versions, collectives per mesh axis with deadlines; or, `--dry-run`, its plan applied per rank in this process."""
+    from lightning.pytorch import Trainer
+
+    from parallelkit.check import Options, launch
+    from parallelkit.check.dry_run import dry_run
+
+    parser = argparse.ArgumentParser(prog="parallelkit check", description=check_command.__doc__)
+    parser.add_argument("--config", required=True, help="the run's YAML, as for `fit`")
+    parser.add_argument("--deadline", type=float, default=60.0, help="seconds a collective may take (default: 60)")
+    parser.add_argument(
+        "--join-deadline", type=float, default=300.0, help="seconds the ranks may take to start and meet (default: 300)"
+    )
+    parser.add_argument("--sizes", default="64KiB,1MiB,16MiB", help="message sizes, comma-separated")
+    parser.add_argument("--iters", type=int, default=5, help="timed repetitions of each collective")
+    parser.add_argument("--allow-mixed", action="store_true", help="a cluster of mixed devices/versions is intended")
+    parser.add_argument("--json", action="store_true", help="machine-readable output on rank 0")
+    parser.add_argument("--dry-run", action="store_true", help="one process, a fake process group: apply the plan")
+    parser.add_argument("--nodes", type=int, help="dry run: nodes of the cluster (default: the config's num_nodes)")
+    parser.add_argument("--devices-per-node", type=int, help="dry run: devices per node (default: the config's)")
+    parser.add_argument("--rank", default="0", help="dry run: the rank to build, a list, or 'all' (default: 0)")
+    parser.epilog = "Other options are fit's overrides of the config, e.g. --trainer.devices=8."
+    args, overrides = parser.parse_known_args(argv)
+    read_config(args.config)
+    if min(args.deadline, args.join_deadline) <= 0 or args.iters < 1:
+        raise ConfigError(
+            f"--deadline {args.deadline:g} --join-deadline {args.join_deadline:g} --iters {args.iters}: deadlines are "
+            "positive seconds and the repetitions at least 1. Fix: e.g. --deadline 60 --join-deadline 300 --iters 5."
+        )
+    sizes = tuple(int(_bytes(size, "--sizes")) for size in args.sizes.split(","))
+    if args.dry_run:  # the cluster's nodes and devices, on this machine's CPU
+        overrides = [*overrides, "--trainer.accelerator=cpu"]
+        overrides += [f"--trainer.num_nodes={args.nodes}"] if args.nodes else []
+        overrides += [f"--trainer.devices={args.devices_per_node}"] if args.devices_per_node else []
+    cli = _PlanCLI(args.config, overrides)  # the model on the meta device
+    settings = dict(cli.config_init["trainer"])
+    trainer = Trainer(
+        **{key: settings[key] for key in CHECK_TRAINER_KEYS if settings.get(key) is not None},
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    if args.dry_run:
+        return dry_run(trainer, cli.model, cli.datamodule, args.rank, args.json)
+    options = Options(args.deadline, args.join_deadline, sizes, args.iters, args.allow_mixed, args.json)
+    return launch(trainer, cli.model, cli.datamodule, options)
 
 
 TOOLS: dict[str, Callable[[Sequence[str]], int]] = {

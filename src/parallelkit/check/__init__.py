@@ -13,10 +13,8 @@ run's real plan to its model on the meta device, for a cluster this machine need
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
-from collections.abc import Sequence
 from typing import Any
 
 from rich.console import Console
@@ -24,58 +22,17 @@ from rich.markup import escape
 from rich.table import Table
 
 from parallelkit.check.live import CheckFailed, Options, Result, check, size_text
-from parallelkit.errors import ConfigError
 from parallelkit.mesh import MeshSpec
 
-__all__ = ["main"]
+__all__ = ["Options", "launch"]
 
 
-def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
-    parser = argparse.ArgumentParser(prog="parallelkit check", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", required=True, help="the run's YAML, as for `fit`")
-    parser.add_argument("--deadline", type=float, default=60.0, help="seconds a collective may take (default: 60)")
-    parser.add_argument(
-        "--join-deadline", type=float, default=300.0, help="seconds the ranks may take to start and meet (default: 300)"
-    )
-    parser.add_argument("--sizes", default="64KiB,1MiB,16MiB", help="message sizes, comma-separated")
-    parser.add_argument("--iters", type=int, default=5, help="timed repetitions of each collective")
-    parser.add_argument("--allow-mixed", action="store_true", help="a cluster of mixed devices/versions is intended")
-    parser.add_argument("--json", action="store_true", help="machine-readable output on rank 0")
-    parser.add_argument("--dry-run", action="store_true", help="one process, a fake process group: apply the plan")
-    parser.add_argument("--nodes", type=int, help="dry run: nodes of the cluster (default: the config's num_nodes)")
-    parser.add_argument("--devices-per-node", type=int, help="dry run: devices per node (default: the config's)")
-    parser.add_argument("--rank", default="0", help="dry run: the rank to build, or 'all' (default: 0)")
-    parser.epilog = "Other options are fit's overrides of the config, e.g. --trainer.devices=8."
-    return parser.parse_known_args(argv)
-
-
-def main(argv: Sequence[str]) -> int:
-    from parallelkit.cli import _bytes, read_config
-
-    args, overrides = parse(argv)
-    read_config(args.config)
-    if min(args.deadline, args.join_deadline) <= 0 or args.iters < 1:
-        raise ConfigError(
-            f"--deadline {args.deadline:g} --join-deadline {args.join_deadline:g} --iters {args.iters}: deadlines are "
-            "positive seconds and the repetitions at least 1. Fix: e.g. --deadline 60 --join-deadline 300 --iters 5."
-        )
-    sizes = tuple(int(_bytes(s, "--sizes")) for s in args.sizes.split(","))
-    options = Options(args.deadline, args.join_deadline, sizes, args.iters, args.allow_mixed, args.json)
-    if args.dry_run:
-        from parallelkit.check.dry_run import dry_run_command
-
-        return dry_run_command(args, overrides)
-    return launch(args.config, overrides, options)
-
-
-def launch(config: str, overrides: Sequence[str], options: Options) -> int:
-    """Build the run's Trainer from its config (model on the meta device), check that its layout splits the model,
-    and run the check on every rank through the strategy's own launcher."""
-    from parallelkit.check.build import trainer_of
+def launch(trainer: Any, model: Any, datamodule: Any, options: Options) -> int:
+    """Check that the run's layout splits its model, then run the check on every rank through the strategy's own
+    launcher (`trainer`, `model` and `datamodule` as the run's config builds them; the model on the meta device)."""
     from parallelkit.compat import process_group_backend
     from parallelkit.strategies import ParallelkitStrategy
 
-    trainer, model, datamodule = trainer_of(config, overrides)
     strategy = trainer.strategy
     if isinstance(strategy, ParallelkitStrategy):
         strategy.check_run(model, datamodule, trainer.accumulate_grad_batches)

@@ -10,11 +10,9 @@ layout (`parallelkit.planner.estimate_layout`).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -96,16 +94,14 @@ def ranks_of(text: str, world_size: int) -> list[int]:
     return ranks
 
 
-def dry_run_command(args: argparse.Namespace, overrides: Sequence[str]) -> int:
-    from parallelkit.check.build import trainer_of
+def dry_run(trainer: Any, model: Any, datamodule: Any, ranks: str = "0", as_json: bool = False) -> int:
+    """Build `ranks` ("all", or comma-separated) of the run `trainer` (its strategy, devices and nodes as the cluster's)
+    would launch, in this process; print each rank's bytes beside the planner's estimate."""
     from parallelkit.planner import Hardware, estimate_layout, profile, workload
     from parallelkit.strategies import ParallelkitStrategy
     from parallelkit.strategies.pipeline import PipelineStrategy
 
-    cluster = [f"--trainer.num_nodes={args.nodes}"] if args.nodes else []
-    cluster += [f"--trainer.devices={args.devices_per_node}"] if args.devices_per_node else []
     start = time.perf_counter()
-    trainer, model, datamodule = trainer_of(args.config, [*overrides, *cluster, "--trainer.accelerator=cpu"])
     strategy = trainer.strategy
     if not isinstance(strategy, ParallelkitStrategy):
         raise ConfigError(
@@ -114,7 +110,7 @@ def dry_run_command(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         )
     strategy.check_run(model, datamodule, trainer.accumulate_grad_batches)
     spec = strategy.mesh_spec
-    states = [build_rank(strategy, model, rank) for rank in ranks_of(args.rank, spec.world_size)]
+    states = [build_rank(strategy, model, rank) for rank in ranks_of(ranks, spec.world_size)]
     seconds = time.perf_counter() - start
 
     work = workload(datamodule, strategy.precision_plugin.precision, strategy.activation_checkpointing)
@@ -129,7 +125,7 @@ def dry_run_command(args: argparse.Namespace, overrides: Sequence[str]) -> int:
         m = strategy.pipeline.microbatches if pipeline else None
         planned = estimate_layout(model, prof, spec, schedule, work, hw, v, m)
 
-    if args.json:
+    if as_json:
         out = {
             "mesh": str(spec),
             "world_size": spec.world_size,

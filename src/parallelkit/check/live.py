@@ -11,6 +11,9 @@ Bandwidths follow nccl-tests' definitions (its doc/PERFORMANCE.md): for a collec
 bytes taking t seconds, algbw = S / t and busbw = algbw x 2(n-1)/n for all-reduce, x (n-1)/n for all-gather,
 reduce-scatter and all-to-all (S their whole buffer: all-gather's output, reduce-scatter's input), x 1 for
 send/recv; a group's time is its slowest rank's.
+
+Over 400 lines: the rank report, the groups, the timed collectives, the store's side channel and the verdict are one
+protocol every rank runs in step, each part written against the others' keys and order.
 """
 
 from __future__ import annotations
