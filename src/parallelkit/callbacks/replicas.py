@@ -7,7 +7,7 @@ same update, which a gradient reduced over too few ranks breaks silently: a per-
 summed over tp trains each tp rank's copy apart while the loss still looks fine. This monitor catches it.
 
 Every `every_n_steps` optimizer steps, each rank fingerprints its local copy of each replicated parameter (three
-float64 numbers: the sum, the sum of squares and a position-weighted sum) and, per mesh axis, the ranks of the axis's
+float64 numbers: the sum, the 2-norm and the sum of every 7th element) and, per mesh axis, the ranks of the axis's
 group exchange them in one all-gather; a parameter whose fingerprints differ is named with the ranks that hold
 another copy than the group's first rank. Which axes shard a parameter comes from the parameter itself (its DTensor
 placements and the ranks of their groups), so FSDP, tp, ep and their flattened meshes need no table here; pipeline
@@ -73,12 +73,13 @@ def mesh_axes(strategy: Any) -> list[tuple[str, Any]]:
 
 
 def fingerprints(tensors: list[torch.Tensor]) -> torch.Tensor:
-    """(len(tensors), 3) float64: each local tensor's sum, sum of squares and sum weighted by position (1..7)."""
+    """(len(tensors), 3) float64: each local tensor's sum, 2-norm and the sum of every 7th element (so that two
+    copies holding the same values in another order differ too), accumulated in float64 without a float64 copy."""
     rows = []
     for t in tensors:
-        x = t.detach().flatten().double()
-        weights = torch.arange(x.numel(), device=x.device, dtype=torch.float64).remainder_(7).add_(1)
-        rows.append(torch.stack([x.sum(), x.square().sum(), (x * weights).sum()]))
+        x = t.detach().flatten()
+        f64 = torch.float64
+        rows.append(torch.stack([x.sum(dtype=f64), torch.linalg.vector_norm(x, dtype=f64), x[::7].sum(dtype=f64)]))
     return torch.stack(rows) if rows else torch.zeros(0, 3, dtype=torch.float64)
 
 
