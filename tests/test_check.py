@@ -3,10 +3,14 @@ per-axis figures against a plain timed loop, and the faults it must name without
 `tests/faults/sitecustomize.py`)."""
 
 import json
+import sys
 import time
 
 import pytest
-from support import FSDP4, REPO, TESTS, assert_ok, parallelkit, torchrun
+from support import FSDP4, REPO, TESTS, assert_ok, parallelkit, run, torchrun
+
+from parallelkit.check.live import Measurement, Options, Result, axis_groups, judge
+from parallelkit.mesh import MeshSpec
 
 FAULTS = str(TESTS / "faults")
 QUICK = ["--sizes", "64KiB,1MiB", "--iters", "3"]
@@ -19,16 +23,24 @@ def check(tmp_path, config, *args, fault=None, timeout=300):
     return proc, time.monotonic() - start
 
 
-@pytest.mark.parametrize(("config", "axes"), [("hybrid.yaml", {"fsdp", "tp"}), ("3d.yaml", {"pp", "tp"})])
-def test_check_times_every_axis_of_the_configs_mesh_and_passes(tmp_path, config, axes):
-    """Exit 0 and, for every axis of size > 1, each of its collectives at each size with a latency and a bus
-    bandwidth; on hybrid.yaml, tp's all-reduce of 1 MiB within 10x either way of a plain timed loop of the same call
-    on the same pairs of ranks."""
-    proc, _ = check(tmp_path, config, "--json", *QUICK)
+@pytest.mark.parametrize(
+    ("config", "axes", "launcher"),
+    [("hybrid.yaml", {"fsdp", "tp"}, "lightning"), ("3d.yaml", {"pp", "tp"}, "torchrun")],
+)
+def test_check_times_every_axis_of_the_configs_mesh_and_passes(tmp_path, config, axes, launcher):
+    """Launched as `fit` is, by Lightning's launcher or torchrun: exit 0 and, for every axis of size > 1, each of its
+    collectives at each size with a latency and a bus bandwidth; on hybrid.yaml, tp's all-reduce of 1 MiB within 10x
+    either way of a plain timed loop of the same call on the same pairs of ranks."""
+    if launcher == "torchrun":
+        args = ["-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone", "-m", "parallelkit.cli", "check"]
+        proc = run([sys.executable, *args, "--config", str(REPO / "configs" / config), "--json", *QUICK], tmp_path)
+    else:
+        proc, _ = check(tmp_path, config, "--json", *QUICK)
     assert_ok(proc)
     result = json.loads(proc.stdout[proc.stdout.index("{\n") :])
     assert result["passed"] and not result["failures"]
     assert [r["rank"] for r in result["ranks"]] == [0, 1, 2, 3]
+    assert {r["launcher"] for r in result["ranks"]} == {launcher}
     measured = {(m["axis"], m["op"], m["bytes"]): m for m in result["measurements"]}
     ops = {"pp": ["send_recv"]}.get
     for axis in axes:
@@ -118,3 +130,25 @@ def test_dry_run_applies_the_70b_presets_3d_plan_for_a_64_rank_cluster_in_one_pr
         assert whole / 64 * 0.9 < rank["params"] < whole / 64 * 1.1, rank
     planned = out["planner"]["params"] + out["planner"]["grads"] + out["planner"]["optimizer"]
     assert planned == pytest.approx(max(r["state"] for r in out["ranks"]), rel=0.1)
+
+
+def test_the_verdict_names_a_tp_group_across_hosts_an_inner_axis_slower_than_an_outer_and_mixed_versions():
+    """`judge` on made-up reports and timings: what a real cluster would show, without one."""
+    spec = MeshSpec.parse('[[2, 2], ["fsdp", "tp"]]')
+    base = {"device": "H100", "capability": "9.0", "device_memory": 80, "torch": "2.13", "cuda": "12.8", "nccl": "2.27"}
+    base |= {"driver": "570", "python": "3.11", "parallelkit": "0.1"}
+    hosts = ["a", "b", "a", "b"]  # tp pairs (0, 1) and (2, 3) each span both hosts
+    result = Result(str(spec), [{**base, "rank": r, "host": hosts[r]} for r in range(4)])
+    result.reports[2]["nccl"] = "2.21"
+    for axis, seconds in (("fsdp", 0.001), ("tp", 0.01)):  # tp, the inner axis, 10x slower
+        m = Measurement(axis, "all_reduce", 2**24, 2)
+        m.seconds = {g: seconds for g in axis_groups(spec, axis)}
+        result.measurements.append(m)
+    judge(spec, result, Options(sizes=(2**24,)))
+    warnings = " ".join(result.warnings)
+    assert "tp crosses nodes: the tp group of ranks 0, 1 spans hosts a, b" in warnings
+    assert "the inner axis tp (1.68 GB/s bus bandwidth) is slower than the outer axis fsdp (16.8 GB/s)" in warnings
+    (failure,) = result.failures
+    assert failure.startswith("devices are not homogeneous: nccl: rank 2 reports '2.21', where the other ranks report")
+    judge(spec, mixed := Result(str(spec), result.reports), Options(allow_mixed=True))
+    assert not mixed.failures and "allowed by --allow-mixed" in mixed.warnings[-1]
