@@ -377,12 +377,11 @@ def measure(spec: MeshSpec, board: Board, result: Result, device: torch.device, 
         for axis, op, size in ((a, o, s) for a in axes for o, s in product(ops_of(a), options.sizes)):
             ranks, group = mine[axis]
             n = len(ranks)
+            if n == 1:  # a one-process run: nothing to time
+                continue
             size = max(4 * n, size // (4 * n) * 4 * n)  # whole float32 elements, divisible by the group
             plan.append(Measurement(axis, op, size, n))
             board.at(f"{op} of {size_text(size)} on the {axis} group of ranks {_ranks(ranks)}")
-            if n == 1:
-                times.append(0.0)
-                continue
             run_collective(op, size, group, ranks, rank, device)  # warm-up: connections, buffers
             start = time.perf_counter()
             for _ in range(options.iters):
