@@ -235,8 +235,10 @@ class MeshSpec:
         if all(axis in self.names for axis in ("fsdp", "ep")):
             flatten_mesh(mesh["fsdp", "ep"], SHARD_MESH)
         if timeout is not None:
-            for name in (*self.names, *flattened_meshes(mesh)):
-                set_group_timeout(mesh[name].get_group(), timeout)
+            groups = [mesh.get_group(name) for name in self.names]
+            groups += [flat.get_group() for flat in flattened_meshes(mesh).values()]
+            for group in groups:
+                set_group_timeout(group, timeout)
         mesh.__class__ = NamedMesh  # the same object, answering to the flattened names too
         return mesh
 
