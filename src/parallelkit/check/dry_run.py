@@ -20,6 +20,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from parallelkit.callbacks.monitors import local_bytes
 from parallelkit.errors import ConfigError
 from parallelkit.planner import OPTIMIZER_STATES, gb
 
@@ -39,11 +40,6 @@ class RankState:
     @property
     def state(self) -> int:
         return self.params + self.grads + self.optimizer
-
-
-def local_bytes(tensor: torch.Tensor) -> int:
-    local = tensor.to_local() if hasattr(tensor, "to_local") else tensor
-    return local.numel() * local.element_size()
 
 
 def build_rank(strategy: Any, template: torch.nn.Module, rank: int, optimizer: str = "adamw") -> RankState:
