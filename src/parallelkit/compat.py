@@ -98,7 +98,7 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 
 
 def set_group_timeout(group: Any, timeout: timedelta) -> None:
-    """Make collectives on `group` fail after `timeout` (torch's private `_set_pg_timeout`)."""
+    """Make collectives on `group` (None: the default group) fail after `timeout` (torch's private `_set_pg_timeout`)."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(timeout, group)

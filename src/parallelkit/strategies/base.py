@@ -45,6 +45,7 @@ from parallelkit.compat import (
     run_as_forward,
     saves_distributed_checkpoint,
     set_device_mesh,
+    set_group_timeout,
     setup_distributed,
 )
 from parallelkit.errors import ConfigError
@@ -60,7 +61,11 @@ __all__ = ["FLAT", "MeshShape", "ParallelkitStrategy", "ShardedPrecision"]
 """What plugins import from here (`FLAT` lives with the checkpoint I/O, `ShardedPrecision` with precision)."""
 
 MeshShape = str | Sequence[Any]
+
 """`[[sizes...], [axis names...]]`, as a list or a JSON string, or "auto"."""
+
+JOIN_TIMEOUT = timedelta(minutes=5)
+"""The least time the ranks wait for each other to join the default process group, whatever `timeout` says."""
 
 
 class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
@@ -93,7 +98,8 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
             one a plugin registers) or a `parallelkit.comm.CommHook`.
         profile_communication: Log every collective per optimizer step (count, bytes, time by kind) and print
             a summary at the end of fit (`parallelkit.callbacks.CommunicationMonitor`).
-        timeout: Seconds (or a timedelta) a collective may wait before the job fails instead of hanging.
+        timeout: Seconds (or a timedelta) a collective may wait before the job fails instead of hanging. Start-up is
+            not a collective: the ranks wait for each other to join for at least `JOIN_TIMEOUT` (5 minutes).
         process_group_backend: "gloo" or "nccl"; default chosen from the accelerator.
         save_distributed_checkpoint: Each rank writes its shards (DCP); False: rank 0 gathers one plain file (for
             models that fit one process; any layout loads it, one plain process too).
@@ -276,7 +282,12 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         if process_group_backend(self) == "nccl":  # torch's flight recorder: each rank's trace dumped on a timeout
             os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        # The rendezvous waits out the ranks' start-up skew (imports, a slow node), which a short collective timeout
+        # would turn into a crash; the default group's collectives then get the user's timeout.
+        self._timeout = max(self.collective_timeout, JOIN_TIMEOUT)
         setup_distributed(self)
+        self._timeout = self.collective_timeout
+        set_group_timeout(None, self.collective_timeout)
         destroy_process_groups_at_exit()
         if self.mesh_shape == "auto":
             planned = self.planned_mesh()
