@@ -244,7 +244,7 @@ def test_plan_recommends_expert_parallelism_for_the_moe_presets_with_their_publi
     with torch.device("meta"):
         model = HFCausalLM(**config["model"]["init_args"])
     assert model.model.num_parameters() == published
-    work = Workload(seq_len=4096, micro_batch=4, compute_bytes=2, activation_checkpointing=True)
+    work = Workload(seq_len=4096, micro_batch=4, compute_bytes=2, activation_checkpointing="full")
     estimates, best, _ = recommend(model, work, Hardware(nodes=nodes, devices_per_node=8, device_memory=80e9))
     assert best is not None and MeshSpec.parse(best.mesh).size("ep") > 1, [e.mesh for e in estimates if e.fits]
     # Each rank holds its share of the whole model's state, experts included (AdamW in fp32: 16 bytes a parameter).

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -10,11 +11,12 @@ from support import REPO, assert_ok, common, fit, parallelkit, step_losses
 
 from parallelkit.callbacks.activations import SavedTensorWindow
 from parallelkit.cli import PLAN_COLUMNS, PLAN_TABLE_OMITS
+from parallelkit.compat import composable_checkpoint
 from parallelkit.mesh import MeshSpec
 from parallelkit.models import GPT
 from parallelkit.models.gpt import Block
 from parallelkit.parallel.pipeline import split_stages
-from parallelkit.planner import Estimate, Hardware, Workload, estimate, profile, recommend
+from parallelkit.planner import Estimate, Hardware, Workload, estimate, profile, recommend, workloads
 
 GPT70B = {"vocab_size": 32000, "n_layer": 80, "n_head": 64, "n_embd": 8192}
 
@@ -25,7 +27,7 @@ def reference_gpt_on_meta() -> GPT:
 
 
 @pytest.mark.parametrize(
-    ("config", "overrides", "mesh", "micro_batch", "schedule"),
+    ("config", "overrides", "mesh", "micro_batch", "schedule", "checkpointing"),
     [
         (
             "hybrid.yaml",
@@ -33,18 +35,27 @@ def reference_gpt_on_meta() -> GPT:
             '[[4, 1], ["fsdp", "tp"]]',
             2,
             None,
+            "none",
         ),
-        ("hybrid.yaml", [], '[[2, 2], ["fsdp", "tp"]]', 4, None),
-        ("1f1b.yaml", [], '[[2, 1, 1], ["pp", "fsdp", "tp"]]', 8, "1f1b"),
+        ("hybrid.yaml", [], '[[2, 2], ["fsdp", "tp"]]', 4, None, "none"),
+        ("1f1b.yaml", [], '[[2, 1, 1], ["pp", "fsdp", "tp"]]', 8, "1f1b", "none"),
+        (
+            "hybrid.yaml",
+            ["--trainer.strategy.activation_checkpointing=full"],
+            '[[2, 2], ["fsdp", "tp"]]',
+            4,
+            None,
+            "full",
+        ),
     ],
 )
 def test_estimated_peak_is_within_12_percent_of_the_memory_monitor(
-    tmp_path, corpus, config, overrides, mesh, micro_batch, schedule
+    tmp_path, corpus, config, overrides, mesh, micro_batch, schedule, checkpointing
 ):
     """The planner's tensor peak (state + activations) against RankMonitor's CPU figure for the same run: the state
     exactly where every rank holds the same (no pipeline), the whole within 12% (measured: [[4, 1]] +0.8%, [[2, 2]]
-    -4.6%, 1F1B pp=2 -11.1%). Both count activations with the saved-tensor ledger, which
-    test_saved_tensor_ledger_counts_what_one_gpt_block_keeps_for_backward holds to a hand count."""
+    -4.6%, 1F1B pp=2 -11.1%, [[2, 2]] with every block checkpointed +0.6%). Both count activations with the saved-tensor
+    ledger, which test_saved_tensor_ledger_counts_what_one_gpt_block_keeps_for_backward holds to a hand count."""
     assert_ok(fit(config, tmp_path, *common(corpus, tmp_path / "cache", steps=3), *overrides))
     measured = max(step_losses(tmp_path, "memory/peak_mb").values()) * 2**20  # RankMonitor, largest rank
     measured_state = set(step_losses(tmp_path, "memory/state_mb").values())
@@ -56,9 +67,11 @@ def test_estimated_peak_is_within_12_percent_of_the_memory_monitor(
     if spec.size("pp") > 1:
         by_name = {layer.name: layer for layer in prof.layers}
         stages = [[by_name[n] for n in s] for s in split_stages(model, [x.name for x in prof.layers], spec.size("pp"))]
-    e = estimate(prof, spec, Workload(64, micro_batch), Hardware(1, 4, 1e12), schedule, 4 if schedule else None, stages)
+    work = Workload(64, micro_batch, activation_checkpointing=checkpointing)
+    e = estimate(prof, spec, work, Hardware(1, 4, 1e12), schedule, 4 if schedule else None, stages)
     if schedule is None:  # every rank holds the same state (pipeline stages do not)
         assert measured_state == {e.state / 2**20}  # exact: a multiple of 1/4096 MB
+    print(f"{mesh} {checkpointing}: estimate / measured = {e.tensor_peak / measured:.3f}")
     assert e.tensor_peak == pytest.approx(measured, rel=0.12), (e.as_dict(), measured)
 
 
@@ -127,6 +140,27 @@ def test_the_planner_assumes_the_pipeline_strategys_default_microbatches(schedul
         assert recommended == strategys
 
 
+def test_the_ledger_counts_what_a_checkpointed_block_keeps_and_recomputes():
+    """Under activation checkpointing autograd calls checkpoint's saved-tensor hooks, not the ledger's. A window given
+    the model counts the input a checkpointed block keeps (after forward: that alone) and, in backward, what its
+    recomputation saves: for one block whose output nothing else needs, the peak is then exactly the plain block's."""
+    torch.manual_seed(0)
+    batch, seq, d = 2, 8, 64
+    block = Block(d, 4, mlp_ratio=4)
+    leaf = torch.randn(batch, seq, d, requires_grad=True)
+    plain = SavedTensorWindow()
+    plain.start(block)
+    block(leaf * 1.0).sum().backward()  # `* 1.0`: an activation (a leaf would count as a parameter)
+    assert plain.stop() == 79_232  # the hand count of the test above
+    composable_checkpoint(block)
+    window = SavedTensorWindow()
+    window.start(block)
+    y = block(leaf * 1.0)
+    assert window._ledger.live == window._ledger.peak == 4 * batch * seq * d  # the kept input
+    y.sum().backward()
+    assert window.stop() == 79_232
+
+
 def test_70b_on_four_nodes_of_eight_80gb_devices_recommends_a_layout_that_fits():
     with torch.device("meta"):
         model = GPT(**GPT70B)
@@ -150,6 +184,28 @@ def test_70b_on_four_nodes_of_eight_80gb_devices_recommends_a_layout_that_fits()
         root, block = 2 * v * d / tp + d, 12 * d * d / tp + 2 * d
         assert e.gathered == 2 * (root + 2 * block)
     assert not by_mesh[('[[32, 1], ["fsdp", "tp"]]', None)].fits  # 820 GB of activations without tp or pp
+
+    # Searched, as `parallelkit plan` searches: checkpointing and a smaller micro-batch (accumulated to the same 8
+    # samples per step) make pure FSDP fit; a recomputed forward costs a third more compute per checkpointed block.
+    tried = workloads(work)
+    assert {(w.micro_batch * w.accumulate, w.activation_checkpointing) for w in tried} == {
+        (8, "none"),
+        (8, 2),
+        (8, "full"),
+    }
+    searched = {(e.mesh, e.schedule): e for e in recommend(model, work, hw, search=tried)[0]}
+    fsdp32 = searched[('[[32, 1], ["fsdp", "tp"]]', None)]
+    assert fsdp32.fits and fsdp32.activation_checkpointing != "none"
+    spec = MeshSpec((4, 8), ("fsdp", "tp"))
+    prof = profile(model, work.seq_len, (1, 8))
+    plain, full = (estimate(prof, spec, replace(work, activation_checkpointing=ac), hw) for ac in ("none", "full"))
+    assert full.activations < plain.activations / 10 and full.state == plain.state and full.comm == plain.comm
+    compute = prof.flops_per_token * work.seq_len * work.micro_batch / 8 / (hw.device_tflops * 1e12 * hw.mfu)
+    assert full.step_s - plain.step_s == pytest.approx(compute * 80 * (12 * d * d + 2 * d) / params / 3)
+    # With pipelines too, the fastest that fits is pp x tp without recomputation; without them (fsdp_tp), it
+    # checkpoints.
+    _, best, _ = recommend(model, work, hw, pipeline=False, search=tried)
+    assert best.fits and best.activation_checkpointing != "none", best
 
 
 def test_plan_command_prints_every_mesh_and_the_recommendation(tmp_path):
@@ -204,7 +260,10 @@ def test_a_model_that_fits_nowhere_says_by_how_much(tmp_path):
         cwd=tmp_path,
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
-    assert "no layout fits: the smallest per-device peak is" in proc.stdout
+    assert "no layout fits (activation checkpointing and micro-batch searched): the smallest per-device peak is" in (
+        proc.stdout
+    )
+    assert "activation_checkpointing=full, batch_size=1 x accumulate_grad_batches=8)" in proc.stdout  # the least
     assert "over the 16.00 GB device" in proc.stdout
 
 

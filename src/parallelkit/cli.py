@@ -349,6 +349,9 @@ def _bytes(text: str, flag: str = "--device-memory") -> float:
 PLAN_COLUMNS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "mesh": ("mesh", str),
     "schedule": ("schedule", lambda schedule: schedule or "-"),
+    "activation_checkpointing": ("act. ckpt", str),
+    "micro_batch": ("micro-batch", str),
+    "accumulate": ("accum.", str),
     "state": ("params+grads+optim", gb),
     "activations": ("activations", gb),
     "gathered": ("fsdp buffers", gb),
@@ -390,8 +393,9 @@ class _PlanCLI(ParallelkitCLI):
 def plan_command(argv: Sequence[str]) -> int:
     """Estimate per-device memory, communication and step time of every mesh for a run, and recommend one."""
     import json
+    from dataclasses import replace
 
-    from parallelkit.planner import Hardware, recommend, workload
+    from parallelkit.planner import Hardware, layout, recommend, workload, workloads
 
     parser = argparse.ArgumentParser(prog="parallelkit plan", description=plan_command.__doc__)
     parser.add_argument("--config", required=True, help="the run's YAML (model, data, trainer as for `fit`)")
@@ -400,7 +404,17 @@ def plan_command(argv: Sequence[str]) -> int:
     parser.add_argument("--devices-per-node", type=int, required=True)
     parser.add_argument("--device-memory", required=True, help="per device, e.g. 80GB or 24GiB")
     parser.add_argument("--seq-len", type=int, help="tokens per sample (default: data.init_args.seq_len)")
-    parser.add_argument("--micro-batch", type=int, help="samples per process per step (default: data.batch_size)")
+    parser.add_argument(
+        "--micro-batch",
+        type=int,
+        help="samples per process per forward; default: every divisor of data.batch_size x accumulate_grad_batches "
+        "is tried, the rest accumulated",
+    )
+    parser.add_argument(
+        "--activation-checkpointing",
+        type=lambda value: int(value) if value.isdigit() else value,
+        help="none, full or n (every n-th block); default: none, every 2nd and full are tried",
+    )
     parser.add_argument("--optimizer", choices=["adamw", "adam", "sgd_momentum", "sgd"], default="adamw")
     parser.add_argument("--intra-node-gbps", type=float, default=200.0, help="GB/s between devices of a node")
     parser.add_argument("--inter-node-gbps", type=float, default=25.0, help="GB/s between nodes")
@@ -415,7 +429,7 @@ def plan_command(argv: Sequence[str]) -> int:
     work = workload(
         cli.datamodule,
         cli.precision,
-        cli.activation_checkpointing,
+        args.activation_checkpointing or cli.activation_checkpointing,
         cli.accumulate,
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
@@ -426,7 +440,9 @@ def plan_command(argv: Sequence[str]) -> int:
             "plan needs the sequence length and micro-batch: set data.init_args.seq_len/batch_size "
             "in the config, or pass --seq-len and --micro-batch."
         )
-    seq_len, micro_batch = work.seq_len, work.micro_batch
+    if args.micro_batch:  # a pinned micro-batch: the config's samples per step are not spread over accumulation
+        work = replace(work, accumulate=1)
+    search = workloads(work, checkpointing=args.activation_checkpointing is None, micro_batch=not args.micro_batch)
     hw = Hardware(
         args.nodes,
         args.devices_per_node,
@@ -435,7 +451,7 @@ def plan_command(argv: Sequence[str]) -> int:
         args.inter_node_gbps,
         args.device_tflops,
     )
-    estimates, best, reason = recommend(model, work, hw, pipeline=not args.no_pipeline)
+    estimates, best, reason = recommend(model, work, hw, pipeline=not args.no_pipeline, search=search)
     if args.json:
         print(
             json.dumps(
@@ -452,8 +468,8 @@ def plan_command(argv: Sequence[str]) -> int:
         return 0 if best else 1
     params = sum(p.numel() for p in model.parameters())
     title = (
-        f"{name}, {params / 1e9:.2f}B parameters, seq {seq_len} x micro-batch {micro_batch}, on {args.nodes} x "
-        f"{args.devices_per_node} devices of {gb(hw.device_memory)}"
+        f"{name}, {params / 1e9:.2f}B parameters, seq {work.seq_len} x {work.micro_batch * work.accumulate} samples "
+        f"per process per step, on {args.nodes} x {args.devices_per_node} devices of {gb(hw.device_memory)}"
     )
     table = Table(title=title)
     for key, (header, _) in PLAN_COLUMNS.items():
@@ -464,10 +480,10 @@ def plan_command(argv: Sequence[str]) -> int:
         if e is best:
             cells["fits"] = "[bold green]<- recommended[/]"
         table.add_row(*cells.values())
-    console = Console(width=220)
+    console = Console(width=250)
     console.print(table)
     if best is not None:
-        reason = f"recommended: {best.mesh}{f' ({best.schedule})' if best.schedule else ''}: {reason}"
+        reason = f"recommended: {layout(best)}: {reason}"
     console.print(reason)
     return 0 if best else 1
 

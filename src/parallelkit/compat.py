@@ -98,7 +98,7 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
 
 
 def set_group_timeout(group: Any, timeout: timedelta) -> None:
-    """Make collectives on `group` (None: the default group) fail after `timeout` (torch's private `_set_pg_timeout`)."""
+    """Make collectives on `group` (None: the default group) fail after `timeout` (torch's `_set_pg_timeout`)."""
     from torch.distributed.distributed_c10d import _set_pg_timeout
 
     _set_pg_timeout(timeout, group)
@@ -220,6 +220,28 @@ def composable_checkpoint(module: Module) -> None:
     from torch.distributed._composable import checkpoint
 
     checkpoint(module)
+
+
+def checkpointed_submodules(module: Module) -> list[Module]:
+    """The modules under `module` (itself included) that `composable_checkpoint` made recompute their activations."""
+    from torch.distributed._composable.contract import _get_registry
+
+    return [m for m in module.modules() if "checkpoint" in (_get_registry(m) or {})]
+
+
+def recomputing(module: Module) -> bool:
+    """Whether a checkpointed `module`'s forward now running is backward's recomputation (torch's composable
+    checkpoint turns its own hooks off for it)."""
+    from torch.distributed._composable import checkpoint
+
+    return not checkpoint.state(module).enable_hook
+
+
+def saved_tensors_hooks_in_force() -> tuple[Any, Any] | None:
+    """The (pack, unpack) pair autograd calls now, the innermost `saved_tensors_hooks`; None when there are none."""
+    import torch
+
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
 def grouped_mm(x: Any, weight: Any, offsets: Any) -> Any:

@@ -11,8 +11,9 @@ Per rank (the most loaded pipeline stage), in bytes:
   parameters only (a LoRA model's adapters);
 - activations: the layers' saved bytes per sample x samples in flight (a pipeline stage holds GPipe: m, 1F1B:
   pp - stage, interleaved: its warm-up count of microbatch chunks); under tp, / tp plus what sequence
-  parallelism gathers whole (the inputs of column-wise layers); under activation checkpointing, each unit keeps
-  only its input, plus one unit recomputed at a time;
+  parallelism gathers whole (the inputs of column-wise layers); under activation checkpointing, each checkpointed
+  unit (all, or every n-th of a stage's, as the strategy picks them) keeps only its input, and the peak is the larger
+  of the end of forward and a unit's recomputation in backward (what precedes it held, what follows it freed);
 - gathered: FSDP's transient unsharded parameters, the root plus two units (the one running and the prefetch).
 `tensor_peak` = state + activations is what `RankMonitor` measures on CPU; `peak` adds the gathered buffers.
 
@@ -20,8 +21,10 @@ Communication per optimizer step, logical bytes as `CommunicationMonitor` counts
 (forward, and backward for units resharded after forward) and the gradient reduce-scatter; HSDP's replicate
 all-reduce; tp's activation collectives; pp's boundary activations and their gradients. The step time adds
 compute (6 FLOPs per parameter per token plus attention, at `mfu` of the device's peak, stretched by the
-pipeline bubble) to every axis's bytes over its link bandwidth, with no overlap assumed. Layouts are ranked by
-job-wide tokens per second among those that fit.
+pipeline bubble; a checkpointed unit's forward runs twice, 8 FLOPs per parameter per token) to every axis's bytes
+over its link bandwidth, with no overlap assumed. Layouts are ranked by job-wide tokens per second among those that
+fit; `recommend(search=True)` also tries activation checkpointing (none, every 2nd unit, all) and every micro-batch
+that divides the samples a process takes per optimizer step (the rest accumulated), keeping the global batch.
 
 Over 400 lines: one estimate of a step (the profile, the per-rank arithmetic, the candidate meshes, the
 recommendation) whose parts read the same counts; apart, each would re-export the others' definitions.
@@ -29,9 +32,10 @@ recommendation) whose parts read the same counts; apart, each would re-export th
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -76,8 +80,14 @@ class Workload:
     micro_batch: int
     optimizer: str = "adamw"
     compute_bytes: int = 4  # 2 under bf16-mixed: activations and gathered parameters in bf16
-    activation_checkpointing: bool = False
+    activation_checkpointing: str | int = "none"
+    """The strategy's option: "none", "full" (every unit) or n (every n-th unit of each stage)."""
     accumulate: int = 1
+
+    @property
+    def checkpoint_every(self) -> int:
+        """Every how many units activation checkpointing recomputes one; 0 for none."""
+        return {"none": 0, "full": 1}.get(self.activation_checkpointing, self.activation_checkpointing)  # type: ignore[arg-type]
 
 
 def workload(
@@ -102,7 +112,7 @@ def workload(
         micro_batch=micro_batch,
         optimizer=optimizer,
         compute_bytes=2 if str(precision).startswith("bf16") else 4,
-        activation_checkpointing=activation_checkpointing not in ("none", 0, None),
+        activation_checkpointing=activation_checkpointing if activation_checkpointing not in (0, None) else "none",
         accumulate=accumulate,
     )
 
@@ -163,6 +173,10 @@ class Estimate:
     """Job-wide: every data-parallel replica's tokens per estimated step time (what layouts compete on: at the
     same micro-batch per process, a layout with more replicas does more work per step)."""
     fits: bool = False
+    activation_checkpointing: str | int = "none"
+    micro_batch: int = 0
+    """Samples per process per forward (data.batch_size); `accumulate` of them per optimizer step."""
+    accumulate: int = 1
 
     @property
     def state(self) -> float:
@@ -389,27 +403,38 @@ def estimate(
     def gathered_bytes(layers: Iterable[Layer]) -> float:
         return in_bytes(layers, lambda layer: whole([layer]), work.compute_bytes)
 
-    def activations(layer: Layer) -> float:
-        if work.activation_checkpointing and layer.unit:
-            return layer.output * cb / tp  # only the unit's input (the previous unit's output) is kept
+    def held(layer: Layer) -> float:
+        """What a sample's forward through `layer` keeps for backward, per rank."""
         if tp == 1:
             return layer.activations * cb
         return layer.activations * cb / tp + layer.gathered_inputs * cb * (1 - 1 / tp)
 
+    def checkpointed(stage: list[Layer]) -> list[Layer]:
+        """The units activation checkpointing recomputes, counted per stage as `parallelize` counts them."""
+        every = work.checkpoint_every
+        return [unit for i, unit in enumerate(layer for layer in stage if layer.unit) if every and i % every == 0]
+
+    batch = (work.micro_batch, work.accumulate)
     worst: Estimate | None = None
     slowest = 0.0
     for rank in range(pp):
         mine = [(i, stage) for i, stage in enumerate(stages) if i % pp == rank]
         layers = [layer for _, stage in mine for layer in stage]
+        recomputed = [layer for _, stage in mine for layer in checkpointed(stage)]
+        kept_input = {layer.name for layer in recomputed}  # only the unit's input (the previous unit's output)
         param_bytes = in_bytes(layers, lambda layer: local_params([layer]), 4) / sharding
         trained = local_trainable(layers)  # of tp_params: what has gradients and optimizer state
         reduced = trained - sum(layer.trainable_experts for layer in layers) * (1 - 1 / ep)  # experts: over fsdp
         in_flight = _in_flight(schedule if pp > 1 else None, pp, rank, m, v)
-        acts = sum(activations(layer) for layer in layers) * in_flight * samples
-        if work.activation_checkpointing:  # one unit at a time is recomputed whole in backward
-            acts += max((layer.activations * cb / tp for layer in layers if layer.unit), default=0.0) * samples
+        kept = [layer.output * cb / tp if layer.name in kept_input else held(layer) for layer in layers]
+        acts = sum(kept) * in_flight * samples  # at the end of forward
         if any(i == len(stages) - 1 for i, _ in mine):
             acts += prof.loss_activations * cb * samples
+        before = 0.0
+        for layer, holds in zip(layers, kept):
+            if layer.name in kept_input:  # recomputed in backward: what comes after it is freed by then
+                acts = max(acts, (sum(kept) * (in_flight - 1) + before + held(layer)) * samples)
+            before += holds
         units = [gathered_bytes([layer]) for layer in layers if layer.unit]
         all_gathered = gathered_bytes(layers)
         gathered = 0.0
@@ -434,12 +459,15 @@ def estimate(
         tokens = work.micro_batch * work.seq_len * work.accumulate
         share = sum(layer.params for layer in layers) / max(prof.params, 1)
         compute = prof.flops_per_token * share * tokens / tp / (hw.device_tflops * 1e12 * hw.mfu)
+        # A recomputed unit's forward runs again in backward: a third more of its share of the stage's work.
+        compute *= 1 + sum(layer.params for layer in recomputed) / max(sum(layer.params for layer in layers), 1) / 3
         if pp > 1:
             compute /= 1 - (pp - 1) / (v * m + pp - 1)
         seconds = compute + sum(b / (_bandwidth(spec, axis, hw) * 1e9) for axis, b in comm.items())
         slowest = max(slowest, seconds)
         grads = trained / sharding * 4
         e = Estimate(str(spec), schedule, param_bytes, grads, grads * states, acts, gathered, comm, seconds)
+        e.activation_checkpointing, e.micro_batch, e.accumulate = work.activation_checkpointing, *batch
         if worst is None or e.peak > worst.peak:
             worst = e
     worst.step_s = slowest
@@ -510,51 +538,102 @@ def estimate_layout(
     hw: Hardware,
     stages_per_rank: int | None = None,
     microbatches: int | None = None,
+    split: Callable[[int], list[list[str]]] | None = None,
 ) -> Estimate:
     """`estimate` of one layout of `model` (profiled as `prof`): its pipeline stages split as PipelineStrategy splits
-    them (`stages_per_rank`: 2 for interleaved_1f1b unless given), its micro-batches PipelineStrategy's default."""
+    them (`stages_per_rank`: 2 for interleaved_1f1b unless given), its micro-batches PipelineStrategy's default.
+    `split(n)`: the layers' names in n stages, when the caller keeps them (else split here)."""
     pp = spec.size("pp")
     if pp == 1:
         return estimate(prof, spec, work, hw, schedule)
     v = stages_per_rank or (2 if schedule == "interleaved_1f1b" else 1)
     by_name = {layer.name: layer for layer in prof.layers}
-    names = split_stages(model, [layer.name for layer in prof.layers], pp * v)
+    names = (split or (lambda n: split_stages(model, [layer.name for layer in prof.layers], n)))(pp * v)
     stages = [[by_name[n] for n in stage] for stage in names]
     m = microbatches or min(Schedule(schedule, pp, v).microbatches, work.micro_batch)
     return estimate(prof, spec, work, hw, schedule, m, stages)
 
 
-def recommend(
-    model: nn.Module, work: Workload, hw: Hardware, pipeline: bool = True
-) -> tuple[list[Estimate], Estimate | None, str]:
-    """Every candidate's estimate (cheapest first), the recommended one (None when none fits), and the one-line
-    reason."""
-    prof = profile(model, work.seq_len, _divisors(hw.devices_per_node))
-    estimates = [
-        estimate_layout(model, prof, spec, schedule, work, hw)
-        for spec, schedule in candidates(prof, hw, work, pipeline)
+CHECKPOINTING_SEARCHED: tuple[str | int, ...] = ("none", 2, "full")
+"""The activation checkpointing `recommend(search=True)` tries: none, every 2nd unit, every unit."""
+
+
+def workloads(work: Workload, checkpointing: bool = True, micro_batch: bool = True) -> list[Workload]:
+    """`work` with each activation checkpointing of CHECKPOINTING_SEARCHED (`checkpointing`) and each micro-batch that
+    divides the samples a process takes per optimizer step, the rest accumulated (`micro_batch`): the same global
+    batch, so the same training, at another memory and speed."""
+    samples = work.micro_batch * work.accumulate
+    policies = dict.fromkeys((work.activation_checkpointing, *CHECKPOINTING_SEARCHED) if checkpointing else [None])
+    batches = _divisors(samples) if micro_batch else [work.micro_batch]
+    return [
+        replace(
+            work,
+            activation_checkpointing=policy or work.activation_checkpointing,
+            micro_batch=mb,
+            accumulate=samples // mb,
+        )
+        for policy in policies
+        for mb in batches
     ]
-    estimates.sort(key=lambda e: (not e.fits, -e.tokens_per_s, e.peak))
+
+
+def _ranking(e: Estimate) -> tuple[bool, float, float]:
+    return (not e.fits, -e.tokens_per_s, e.peak)
+
+
+def recommend(
+    model: nn.Module,
+    work: Workload,
+    hw: Hardware,
+    pipeline: bool = True,
+    search: Sequence[Workload] | None = None,
+) -> tuple[list[Estimate], Estimate | None, str]:
+    """Every candidate layout's estimate (best first), the recommended one (None when none fits), and the one-line
+    reason. `search`: the workloads to try each layout with (`workloads(work)`); a layout's row is then its fastest
+    fitting one (else its smallest)."""
+    prof = profile(model, work.seq_len, _divisors(hw.devices_per_node))
+    split = functools.cache(lambda n: split_stages(model, [layer.name for layer in prof.layers], n))
+    by_layout: dict[tuple[str, str | None], list[Estimate]] = {}
+    for tried in search or [work]:
+        for spec, schedule in candidates(prof, hw, tried, pipeline):
+            e = estimate_layout(model, prof, spec, schedule, tried, hw, split=split)
+            by_layout.setdefault((e.mesh, e.schedule), []).append(e)
+    estimates = [
+        min(tried, key=_ranking) if any(e.fits for e in tried) else min(tried, key=lambda e: e.peak)
+        for tried in by_layout.values()
+    ]
+    estimates.sort(key=_ranking)
     fitting = [e for e in estimates if e.fits]
     if not fitting:
         best = min(estimates, key=lambda e: e.peak)
         over = best.peak - hw.device_memory
+        tried = "" if search is None else " (activation checkpointing and micro-batch searched)"
         return (
             estimates,
             None,
             (
-                f"no layout fits: the smallest per-device peak is {gb(best.peak)} ({best.mesh}"
-                f"{', ' + best.schedule if best.schedule else ''}), {gb(over)} over the {gb(hw.device_memory)} device "
-                f"({best.peak / hw.device_memory:.2f}x). Fix: more devices, activation checkpointing, a smaller "
-                "micro-batch or sequence, or a smaller model."
+                f"no layout fits{tried}: the smallest per-device peak is {gb(best.peak)} ({layout(best)}), "
+                f"{gb(over)} over the {gb(hw.device_memory)} device ({best.peak / hw.device_memory:.2f}x). Fix: more "
+                "devices, "
+                + ("" if search else "activation checkpointing, a smaller micro-batch, ")
+                + "a shorter sequence, or a smaller model."
             ),
         )
     best = fitting[0]
-    runner_up = next((e for e in fitting[1:] if e.mesh != best.mesh or e.schedule != best.schedule), None)
     reason = f"fits in {gb(best.peak)} of {gb(hw.device_memory)} per device with the highest estimated throughput"
     reason += f" ({best.tokens_per_s:,.0f} tokens/s"
-    reason += f" vs {runner_up.tokens_per_s:,.0f} for {runner_up.mesh})" if runner_up else ")"
+    reason += f" vs {fitting[1].tokens_per_s:,.0f} for {layout(fitting[1])})" if len(fitting) > 1 else ")"
     return estimates, best, reason
+
+
+def layout(e: Estimate) -> str:
+    """The layout and the settings it was estimated with, as a config says them."""
+    settings = [e.mesh, *([e.schedule] if e.schedule else [])]
+    settings.append(f"activation_checkpointing={e.activation_checkpointing}")
+    settings.append(
+        f"batch_size={e.micro_batch}" + (f" x accumulate_grad_batches={e.accumulate}" if e.accumulate > 1 else "")
+    )
+    return ", ".join(settings)
 
 
 def gb(nbytes: float) -> str:

@@ -170,7 +170,7 @@ class RankMonitor(L.Callback):
         if self._step_start is None:  # first micro-batch of an optimizer step
             self._step_start = time.perf_counter()
         if not self._cuda(trainer):
-            self._window.start()
+            self._window.start(pl_module)
 
     @override
     def on_train_batch_end(
