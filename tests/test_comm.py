@@ -276,10 +276,10 @@ def test_int8_error_feedback_sends_each_steps_rounding_error_with_the_next_step(
 
 
 def test_a_collective_timeout_prints_each_waiting_ranks_last_collectives(tmp_path, corpus):
-    """[[2, 2]] with a 20-second timeout (not the start-up's: the ranks may take 5 minutes to join): rank 3 stops for 35 s as step 3
-    starts. The other ranks' collectives of step 3 time out (the mesh's groups included: torch gives them their own
-    30-minute default); each prints the collectives it called, with their groups and sizes, up to the one it waits
-    in; rank 3 prints none, which is how it stands out."""
+    """[[2, 2]] with a 20-second timeout (of collectives: the ranks may take 5 minutes to join): rank 3 stops for 35 s
+    as step 3 starts. The other ranks' collectives of step 3 time out (the mesh's groups included: torch gives them
+    their own 30-minute default); each prints the collectives it called, with their groups and sizes, up to the one
+    it waits in; rank 3 prints none, which is how it stands out."""
     hang = callback("models.HangAt", rank=3, step=3, seconds=35)
     overrides = (*common(corpus, tmp_path / "cache", steps=6), "--trainer.strategy.timeout=20", hang)
     proc = fit("hybrid.yaml", tmp_path, *overrides)
