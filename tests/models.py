@@ -304,26 +304,50 @@ def _local_bytes(tensors) -> int:
 
 class KillDuringSave(L.Callback):
     """On rank `rank`, SIGKILLs this process in the middle of the checkpoint save at `step`: right after its DCP write
-    of the shards under the staging name returns, before the barrier after which rank 0 publishes the checkpoint under
-    its final name. Wrapping the write (instead of watching the directory from a thread) puts the kill at that point
-    whatever the machine's speed."""
+    of its shards under the staging name, before the save's last collective, after which rank 0 publishes the
+    checkpoint under its final name (synchronous saves: in the save; `async_checkpoint`: in DCP's writing thread,
+    while training goes on). Wrapping the write (instead of watching the directory from a thread) puts the kill at
+    that point whatever the machine's speed."""
 
     def __init__(self, step: int, rank: int = 1) -> None:
         self.step, self.rank = step, rank
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
         # Lightning calls this while assembling the checkpoint, just before the strategy writes it.
-        if trainer.global_step != self.step or trainer.global_rank != self.rank:
-            return
-        import torch.distributed.checkpoint as dcp
+        if trainer.global_step == self.step and trainer.global_rank == self.rank:
+            wrap_write(lambda: os.kill(os.getpid(), signal.SIGKILL), after=True)
 
-        write = dcp.save
 
-        def write_then_die(*args, **kwargs):
-            write(*args, **kwargs)
-            os.kill(os.getpid(), signal.SIGKILL)
+class SlowWrite(L.Callback):
+    """Makes every rank's DCP write of the checkpoint saved at `step` start `seconds` late (a slow file system), so
+    that what comes next finds it in flight; `marker` is touched when the write has ended."""
 
-        dcp.save = write_then_die  # this process's module only; it dies in this save
+    def __init__(self, step: int, seconds: float, marker: str) -> None:
+        self.step, self.seconds, self.marker = step, seconds, Path(marker)
+
+    def on_save_checkpoint(self, trainer, pl_module, checkpoint) -> None:
+        if trainer.global_step == self.step:
+            wrap_write(lambda: time.sleep(self.seconds), after=False, then=self.marker.touch)
+
+
+def wrap_write(action, after: bool, then=lambda: None) -> None:
+    """Run `action` before (or after) this process's next DCP shard write, once; `then` once it is written."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write = FileSystemWriter.write_data
+
+    def wrapped(writer, *args, **kwargs):
+        FileSystemWriter.write_data = write
+        if not after:
+            action()
+        written = write(writer, *args, **kwargs)
+        written.wait()
+        then()
+        if after:
+            action()
+        return written
+
+    FileSystemWriter.write_data = wrapped
 
 
 class CrashOnce(L.Callback):
@@ -360,13 +384,15 @@ class DieBeforeLogging(L.Callback):
 
 class SigtermAt(L.Callback):
     """Sends this process SIGTERM as the training batch that reaches global step `step` starts: on one process,
-    parallelkit's PreemptionCheckpoint stops the job at the end of that batch."""
+    parallelkit's PreemptionCheckpoint stops the job at the end of that batch. `marker`: touched then."""
 
-    def __init__(self, step: int) -> None:
-        self.step = step
+    def __init__(self, step: int, marker: str | None = None) -> None:
+        self.step, self.marker = step, marker
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step + 1 == self.step:
+            if self.marker:
+                Path(self.marker).touch()
             os.kill(os.getpid(), signal.SIGTERM)
 
 

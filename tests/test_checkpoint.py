@@ -539,10 +539,16 @@ def test_sigterm_to_one_rank_of_a_pipeline_or_tp_job_saves_last_and_the_relaunch
     assert_same_losses({s: straight[s] for s in resumed}, resumed)
 
 
-def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_for_last(tmp_path, corpus, straight_fsdp2):
-    """Rank 1 of a sharded [[2, 1]] job is SIGKILLed while the step-8 checkpoint is being written: the job fails,
-    the half-written save stays under its staging name, and `--ckpt_path=last` resumes from step 4 exactly as the
-    uninterrupted run."""
+ASYNC = "--trainer.strategy.async_checkpoint=true"
+
+
+@pytest.mark.parametrize("writes", ["sync", "async"])
+def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_for_last(
+    tmp_path, corpus, straight_fsdp2, writes
+):
+    """Rank 1 of a sharded [[2, 1]] job is SIGKILLed while the step-8 checkpoint is being written (in the save, or
+    `async_checkpoint`: in the background while training goes on): the job fails, the half-written save stays under
+    its staging name, and `--ckpt_path=last` resumes from step 4 exactly as the uninterrupted run."""
     straight = straight_fsdp2
     ckpt = tmp_path / "ckpt"
     run = [
@@ -550,6 +556,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_for_last
         *FSDP2,
         "--trainer.strategy.timeout=30",
         checkpoint_every(ckpt, 4, last=True),
+        *([ASYNC] if writes == "async" else []),
     ]
     killer = '--trainer.callbacks+={"class_path": "models.KillDuringSave", "init_args": {"step": 8}}'
     killed = fit("hybrid.yaml", tmp_path / "killed", *run, killer, timeout=300)
@@ -561,6 +568,29 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_for_last
     resumed = step_losses(tmp_path / "resumed")
     assert sorted(resumed) == list(range(4, STEPS))
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
+
+
+def test_sigterm_with_a_background_write_in_flight_waits_for_it_and_its_checkpoint_resumes_exactly(
+    tmp_path, corpus, straight_fsdp2
+):
+    """`async_checkpoint` on [[2, 1]], a checkpoint every 4 steps whose step-8 write takes 4 s longer (a slow file
+    system), SIGTERM as step 9 starts: training went on past the save (the step after it was logged before the write
+    ended), the SIGTERM save waited for the write and published it before its own, every process exits 0 with
+    nothing left staged, and the background-written step-8 checkpoint resumes with the uninterrupted run's losses."""
+    ckpt = tmp_path / "ckpt"
+    run = [*common(corpus, tmp_path / "cache"), *FSDP2, ASYNC, checkpoint_every(ckpt, 4)]
+    written, signalled = tmp_path / "written", tmp_path / "signalled"
+    slow = callback("models.SlowWrite", step=8, seconds=4, marker=str(written))
+    sigterm = callback("models.SigtermAt", step=9, marker=str(signalled))
+    assert_ok(fit("hybrid.yaml", tmp_path / "first", *run, slow, sigterm))
+    assert written.stat().st_mtime > signalled.stat().st_mtime  # step 9 began while step 8's write went on
+    assert 9 <= max(step_losses(tmp_path / "first")) < STEPS - 1
+    names = ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == names  # published, none left `.partial`
+    assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *run, f"--ckpt_path={ckpt / 'epoch=0-step=8.ckpt'}"))
+    resumed = step_losses(tmp_path / "resumed")
+    assert sorted(resumed) == list(range(8, STEPS))
+    assert_same_losses({s: straight_fsdp2[s] for s in resumed}, resumed, rtol=1e-6)
 
 
 def test_torchrun_max_restarts_relaunches_a_crashed_job_from_the_last_checkpoint(saved, killed_then_restarted):
@@ -631,3 +661,11 @@ def test_pipeline_refuses_a_single_file_checkpoint_that_would_hold_one_stage(tmp
     proc = fit("1f1b.yaml", tmp_path, "--trainer.strategy.save_distributed_checkpoint=false")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "holds only the first pipeline stage" in proc.stderr and "parallelkit consolidate" in proc.stderr
+
+
+def test_async_checkpoint_refuses_a_single_file_checkpoint():
+    from parallelkit import FSDPTPStrategy
+    from parallelkit.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="async_checkpoint=True writes each rank's shards in the background"):
+        FSDPTPStrategy(async_checkpoint=True, save_distributed_checkpoint=False).check_options()

@@ -7,10 +7,12 @@ checkpoint methods it overrides; the strategy keeps the Lightning lifecycle, thi
 from __future__ import annotations
 
 from collections.abc import Callable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from typing_extensions import override
@@ -63,9 +65,17 @@ class ShardedCheckpoints:
         hold extra state; a single-file checkpoint does not, and this is not called for one.
         """
 
-    # Rank 0's saves that wait for their step's logs, (staging, path), and the removals that wait for them,
-    # (None, path), in the order ModelCheckpoint asked for them.
-    _unpublished: tuple[tuple[Path | None, Path], ...] = ()
+    async_checkpoint = False
+    """Write the checkpoints saved at a step's end in the background (the strategy's `async_checkpoint`)."""
+
+    # Rank 0's saves that wait for their step's logs and, written in the background, for their write: (staging, path,
+    # write), and the removals that wait for them, (None, path, None), in the order ModelCheckpoint asked for them.
+    # The first `_logged` of them belong to logged steps.
+    _unpublished: tuple[tuple[Path | None, Path, Future | None], ...] = ()
+    _logged = 0
+    _in_flight: Future | None = None
+    """This rank's background write (at most one: a save waits for the previous one)."""
+    _writes_group: Any = None
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
@@ -81,19 +91,28 @@ class ShardedCheckpoints:
 
         "Handed to the loggers" is "on disk" here without a flush of ours: Lightning calls each logger's `save()` right
         after its `log_metrics()` (CSVLogger writes its rows then, whatever `flush_logs_every_n_steps` says; TensorBoard
-        flushes its writer). A flush before the save could not help: the step's metrics are in no logger yet."""
+        flushes its writer). A flush before the save could not help: the step's metrics are in no logger yet.
+
+        With `async_checkpoint`, a sharded save at a step's end returns once the state is copied (staged) in memory;
+        DCP writes it from a thread over a process group of its own, and rank 0 publishes it at the start of the first
+        batch that finds the write complete (DCP's last collective ends every rank's write before rank 0's). One write
+        is in flight at most: the next save, and every save outside a step's end (SIGTERM's, the end of fit's), waits
+        for it first."""
         path = Path(self.broadcast(str(filepath)))
         staging = staging_path(path)
         logging = logging_a_step(self.lightning_module.trainer)
+        self._wait_for_write()
         if self.is_global_zero:
             if not logging:
                 # Outside a step's end hooks, the step of any waiting save is logged (SIGTERM's `last.ckpt` comes
                 # after it, before the next batch): publish those first, so that saves of one path land in order.
-                self._publish_logged()
+                self._logged = len(self._unpublished)
+            self._publish(wait=True)
             remove(staging)  # left by a crashed save
         self.barrier()
+        background = self.async_checkpoint and logging
         if self.save_distributed_checkpoint and storage_options is None:
-            self._save_sharded(checkpoint, staging)
+            self._save_sharded(checkpoint, staging, background)
         else:
             if "optimizer_states" in checkpoint and self.extra_state():
                 rank_zero_warn(
@@ -105,15 +124,18 @@ class ShardedCheckpoints:
         self.barrier()
         if self.is_global_zero:
             if logging:
-                self._unpublished += ((staging, path),)
+                entry = (staging, path, self._in_flight)
+                self._unpublished = (*(e for e in self._unpublished if e[:2] != entry[:2]), entry)  # saved again
             else:
                 publish(staging, path)
         self.barrier()
 
-    def _save_sharded(self, checkpoint: dict[str, Any], path: Path) -> None:
+    def _save_sharded(self, checkpoint: dict[str, Any], path: Path, background: bool = False) -> None:
         """Write what Lightning's ModelParallelStrategy writes (the model as `state_dict` and each optimizer as
         `optimizer_<i>` through DCP, the loops' state to `meta.pt` by rank 0) plus `extra_state()` in the same DCP
-        save, so that one `.metadata` describes all of it."""
+        save, so that one `.metadata` describes all of it. `background`: staged in memory here, written by DCP's
+        thread (`_in_flight`)."""
+        import torch.distributed as dist
         import torch.distributed.checkpoint as dcp
 
         path.mkdir(parents=True, exist_ok=True)
@@ -124,7 +146,12 @@ class ShardedCheckpoints:
         extra = self.extra_state() if full else {}
         if extra:
             sharded[self.EXTRA_STATE_KEY] = extra
-        dcp.save(sharded, checkpoint_id=str(path))
+        if background:
+            if self._writes_group is None:  # the training's groups stay the main thread's: collectives keep their order
+                self._writes_group = dist.new_group(backend="gloo", timeout=self.collective_timeout)
+            self._in_flight = dcp.async_save(sharded, checkpoint_id=str(path), process_group=self._writes_group)
+        else:
+            dcp.save(sharded, checkpoint_id=str(path))
         if self.global_rank == 0:
             torch.save(rest, path / "meta.pt")
 
@@ -164,7 +191,7 @@ class ShardedCheckpoints:
         # ModelCheckpoint removes the checkpoint a save replaces (save_top_k, a renamed `last`) right after that save:
         # removed before the save is published, a kill in between would leave no checkpoint to resume from.
         if self._unpublished:
-            self._unpublished += ((None, Path(filepath)),)
+            self._unpublished += ((None, Path(filepath), None),)
         else:
             super().remove_checkpoint(filepath)
 
@@ -172,28 +199,47 @@ class ShardedCheckpoints:
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         # The loop logged the previous step before it starts this one (every batch comes here, `batch_to_device` not
         # when the training step takes the dataloader iterator).
-        self._publish_logged()
+        self._logged = len(self._unpublished)
+        self._publish()
         super().on_train_batch_start(batch, batch_idx)
 
     @override
     def on_train_end(self) -> None:
-        self._publish_logged()
+        self._wait_for_write()
+        self._logged = len(self._unpublished)
+        self._publish(wait=True)
         super().on_train_end()
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         # Lightning raises SIGTERMException once the step is logged, before the next batch starts: that step's saves
-        # are published. An exception from inside a step's end hooks leaves them unpublished, as a kill there would.
-        if self._unpublished and not logging_a_step(self.lightning_module.trainer):
-            self._publish_logged()
+        # are published, a background write waited for. An exception from inside a step's end hooks leaves them
+        # unpublished, as a kill there would; so does a crash in a background write.
+        if not logging_a_step(self.lightning_module.trainer):
+            self._logged = len(self._unpublished)
+        stopped = isinstance(exception, SIGTERMException)
+        if stopped:
+            self._wait_for_write()
+        self._publish(wait=stopped)
         super().on_exception(exception)
 
-    def _publish_logged(self) -> None:
-        """Publish the checkpoints saved in the step whose metrics the loop has now logged, and make the removals that
-        waited for them, in the order asked (see `save_checkpoint`). Rank 0's: every rank finished writing them during
-        the save."""
-        unpublished, self._unpublished = self._unpublished, ()
-        for staging, path in dict.fromkeys(unpublished):  # a path saved twice in the step: once
+    def _wait_for_write(self) -> None:
+        """Wait for this rank's background write, if one is in flight; a failed write raises here."""
+        write, self._in_flight = self._in_flight, None
+        if write is not None:
+            write.result()
+
+    def _publish(self, wait: bool = False) -> None:
+        """Publish, in the order asked, the checkpoints of logged steps whose write is complete (`wait`: waiting for
+        it), and make the removals queued behind them (see `save_checkpoint`). Rank 0's: DCP's last collective ends
+        every rank's write before rank 0's."""
+        while self._logged:
+            staging, path, write = self._unpublished[0]
+            if write is not None and not (wait or write.done()):
+                return
+            if write is not None:
+                write.result()
+            self._unpublished, self._logged = self._unpublished[1:], self._logged - 1
             if staging is None:
                 super().remove_checkpoint(path)
             else:

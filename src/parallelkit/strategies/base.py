@@ -103,6 +103,10 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         process_group_backend: "gloo" or "nccl"; default chosen from the accelerator.
         save_distributed_checkpoint: Each rank writes its shards (DCP); False: rank 0 gathers one plain file (for
             models that fit one process; any layout loads it, one plain process too).
+        async_checkpoint: Sharded checkpoints saved at a step's end are written in the background: training goes on
+            once the state is copied in memory; the checkpoint is published (renamed from `.partial`, seen by `last`)
+            when every rank's write is complete. One write in flight at most (the next save waits for it); SIGTERM's
+            save waits for it before its own. Costs a copy of the rank's state in memory while writing.
         meta_init: Build the model's parameters on the meta device (the CLI and `Trainer.init_module()` do) and
             allocate only this rank's shards after sharding, so no process ever holds the whole model. Weights
             equal an eager build's from the same seed (`parallelkit.init`); the model must initialise through
@@ -128,6 +132,7 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         process_group_backend: str | None = None,
         save_distributed_checkpoint: bool = True,
         meta_init: bool = False,
+        async_checkpoint: bool = False,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -148,6 +153,7 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         self.compile_optimizer = compile_optimizer
         self.cpu_offload = cpu_offload
         self.meta_init = meta_init
+        self.async_checkpoint = async_checkpoint
         self.collective_timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
 
     # -- configuration, checked in the launching process before any worker starts --------------------------
@@ -162,6 +168,11 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
             raise ConfigError(
                 f"compile={self.compile!r}: use true (torch.compile's inductor), false (eager), or a torch.compile "
                 f"backend name: {', '.join(compile_backends())}."
+            )
+        if self.async_checkpoint and not self.save_distributed_checkpoint:
+            raise ConfigError(
+                "async_checkpoint=True writes each rank's shards in the background, but save_distributed_checkpoint="
+                "False gathers one file on rank 0. Set save_distributed_checkpoint=True, or async_checkpoint=False."
             )
         if self.compile_optimizer not in (True, False):
             raise ConfigError(
