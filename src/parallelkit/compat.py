@@ -68,9 +68,17 @@ def destroy_process_groups_at_exit() -> None:
     atexit.register(_destroy_dist_connection)
 
 
-def setup_distributed(strategy: ParallelStrategy) -> None:
-    """Initialise the default process group as Lightning's ModelParallelStrategy does (`_setup_distributed`)."""
-    strategy._setup_distributed()
+def setup_distributed(strategy: ParallelStrategy, join_timeout: timedelta | None = None) -> None:
+    """Initialise the default process group as Lightning's ModelParallelStrategy does (`_setup_distributed`).
+    `join_timeout`: how long the ranks may take to meet, when longer than the strategy's timeout (`_timeout`), which
+    the default group's collectives keep."""
+    timeout = strategy._timeout
+    strategy._timeout = max(timeout, join_timeout or timeout)
+    try:
+        strategy._setup_distributed()
+    finally:
+        strategy._timeout = timeout
+    set_group_timeout(None, timeout)
 
 
 def process_group_backend(strategy: ParallelStrategy) -> str:

@@ -45,7 +45,6 @@ from parallelkit.compat import (
     run_as_forward,
     saves_distributed_checkpoint,
     set_device_mesh,
-    set_group_timeout,
     setup_distributed,
 )
 from parallelkit.errors import ConfigError
@@ -295,10 +294,7 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
             os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         # The rendezvous waits out the ranks' start-up skew (imports, a slow node), which a short collective timeout
         # would turn into a crash; the default group's collectives then get the user's timeout.
-        self._timeout = max(self.collective_timeout, JOIN_TIMEOUT)
-        setup_distributed(self)
-        self._timeout = self.collective_timeout
-        set_group_timeout(None, self.collective_timeout)
+        setup_distributed(self, join_timeout=JOIN_TIMEOUT)
         destroy_process_groups_at_exit()
         if self.mesh_shape == "auto":
             planned = self.planned_mesh()
