@@ -11,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +65,38 @@ def run(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> subproc
     return subprocess.run(args, cwd=cwd, env=subprocess_env(**env), capture_output=True, text=True, timeout=timeout)
 
 
-def parallelkit(*args: str, cwd: Path, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
+def parallelkit(
+    *args: str, cwd: Path, timeout: float = 600, fork: bool = False, **env: str
+) -> subprocess.CompletedProcess:
+    """`python -m parallelkit.cli ARGS` to completion. `fork`: for a command that starts no other process (a
+    refusal before launch, `plan`, `export-hf`, ...), run in a fork of a process that imported the CLI once
+    (tests/scripts/cli_server.py), which saves each command the interpreter's start and its imports."""
+    if fork:
+        return _forked(list(args), cwd, timeout, subprocess_env(**env))
     return run([sys.executable, "-m", "parallelkit.cli", *args], cwd, timeout, **env)
+
+
+_SERVER: subprocess.Popen | None = None
+_OUTPUT = Path(tempfile.mkdtemp(prefix="parallelkit-cli-"))  # the forked command's stdout and stderr, one at a time
+
+
+def _forked(args: list[str], cwd: Path, timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
+    global _SERVER
+    if _SERVER is None or _SERVER.poll() is not None:
+        import atexit
+
+        server = [sys.executable, str(SCRIPTS / "cli_server.py")]
+        _SERVER = subprocess.Popen(
+            server, env=subprocess_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        atexit.register(_SERVER.kill)
+    out, err = _OUTPUT / "stdout", _OUTPUT / "stderr"
+    request = {"args": args, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err), "timeout": timeout}
+    _SERVER.stdin.write(json.dumps(request) + "\n")
+    _SERVER.stdin.flush()
+    returncode = json.loads(_SERVER.stdout.readline())["returncode"]
+    stdout, stderr = out.read_text(), err.read_text()
+    return subprocess.CompletedProcess(["parallelkit", *args], returncode, stdout, stderr)
 
 
 def torchrun(script: str, nproc: int, *args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
@@ -95,8 +126,10 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
     )
 
 
-def fit(config: str, save_dir: Path, *overrides: str, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    """`parallelkit fit --config configs/<config>` logging CSV under `save_dir`, quietly."""
+def fit(
+    config: str, save_dir: Path, *overrides: str, timeout: float = 600, fork: bool = False, **env: str
+) -> subprocess.CompletedProcess:
+    """`parallelkit fit --config configs/<config>` logging CSV under `save_dir`, quietly (`fork`: see parallelkit)."""
     save_dir.mkdir(parents=True, exist_ok=True)
     return parallelkit(
         "fit",
@@ -108,6 +141,7 @@ def fit(config: str, save_dir: Path, *overrides: str, timeout: float = 600, **en
         *overrides,
         cwd=save_dir,
         timeout=timeout,
+        fork=fork,
         **env,
     )
 

@@ -92,7 +92,7 @@ def test_consolidated_weights_are_the_saving_runs_weights(tmp_path, corpus, save
     from torch.empty) or a shard put in the wrong place changes it."""
     losses, ckpt = saved
     out = tmp_path / "weights.pt"
-    assert_ok(parallelkit("consolidate", str(ckpt), str(out), cwd=tmp_path))
+    assert_ok(parallelkit("consolidate", str(ckpt), str(out), cwd=tmp_path, fork=True))
     weights = torch.load(out, weights_only=True)
     model = GPT(n_layer=2, n_head=4, n_embd=64)
     model.load_state_dict(weights)  # strict: every name and shape matches the unparallelised model

@@ -212,7 +212,16 @@ def test_an_hf_style_parallelkit_does_not_translate_is_refused_by_name_under_tp_
 def test_plan_fits_a_llama_3_8b_config_on_8_devices_and_counts_its_parameters(tmp_path):
     config = REPO / "configs" / "hf_llama3_8b.yaml"
     proc = parallelkit(
-        "plan", "--config", str(config), "--devices-per-node", "8", "--device-memory", "80GB", "--json", cwd=tmp_path
+        "plan",
+        "--config",
+        str(config),
+        "--devices-per-node",
+        "8",
+        "--device-memory",
+        "80GB",
+        "--json",
+        cwd=tmp_path,
+        fork=True,
     )
     assert_ok(proc)
     report = json.loads(proc.stdout)
