@@ -8,7 +8,8 @@ size, fp32, AdamW) on synthetic tokens. Per run of `--steps` steps: no checkpoin
 ModelCheckpoint saving a sharded checkpoint every `--every` steps (keeping all), synchronous (`sync`) or with
 `async_checkpoint: true` (`async`). The variants take turns (none, sync, async, then async, sync, none, ...) so drift
 in the machine's speed hits all alike. Per variant: the mean step time over the run's steps (the first dropped: its
-time is start-up), which is what a save's stall shows in; the slowest step; and the whole fit's wall time, whose end
+time is start-up), which is what a save's stall shows in; the slowest step; how long a save held rank 0's training
+up (the whole write when synchronous, the copy in memory when asynchronous); and the whole fit's wall time, whose end
 waits for the last background write. Ratios to `none`. Writes results/checkpoint.json.
 
 Needs the extras: pip install -e ".[hf]".
@@ -76,10 +77,20 @@ def run(variant: str, args: argparse.Namespace, directory: str) -> dict[str, Any
     )
     data = SyntheticDataModule(vocab_size=32000, seq_len=args.seq_len, batch_size=args.batch_size)
     model = HFCausalLM(config=llama(args))
+    stalls: list[float] = []  # how long each save held this rank's training up
+    save = strategy.save_checkpoint
+
+    def timed_save(*a: Any, **k: Any) -> None:
+        start = time.perf_counter()
+        save(*a, **k)
+        stalls.append(time.perf_counter() - start)
+
+    strategy.save_checkpoint = timed_save
     started = time.perf_counter()
     trainer.fit(model, data)
     wall = time.perf_counter() - started
-    return {"times": clock.times, "wall_s": wall, "params": sum(p.numel() for p in model.parameters())}
+    params = sum(p.numel() for p in model.parameters())
+    return {"times": clock.times, "wall_s": wall, "params": params, "stalls": stalls}
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -97,6 +108,7 @@ def worker(args: argparse.Namespace) -> None:
             "median_step_s": statistics.median(times),
             "slowest_step_s": max(times),
             "wall_s": statistics.fmean(r["wall_s"] for r in runs),
+            "save_stall_s": statistics.fmean(s for r in runs for s in r["stalls"]) if variant != "none" else 0.0,
             "params": runs[0]["params"],
         }
     for variant in ("sync", "async"):
@@ -120,9 +132,10 @@ def main() -> None:
     parser.add_argument("--out")
     args = parser.parse_args()
     if in_worker():
+        args.nproc = int(os.environ["WORLD_SIZE"])
         worker(args)
         return
-    names = ["nproc", "hidden", "layers", "seq_len", "batch_size", "steps", "every", "rounds"]
+    names = ["hidden", "layers", "seq_len", "batch_size", "steps", "every", "rounds"]
     with tempfile.TemporaryDirectory(dir=args.dir) as directory:
         out = Path(directory) / "result.json"
         launch(__file__, args.nproc, [*forward(args, names), f"--dir={directory}"], out)
@@ -135,7 +148,8 @@ def main() -> None:
         ratio = f"  {result[f'{variant}/none']['mean_step_s']:.3f}x none" if variant != "none" else ""
         print(
             f"{variant:>6}: mean step {r['mean_step_s']:.3f} s (median {r['median_step_s']:.3f}, slowest "
-            f"{r['slowest_step_s']:.2f}), fit {r['wall_s']:.1f} s{ratio}"
+            f"{r['slowest_step_s']:.2f}), a save stalls rank 0 {r['save_stall_s']:.2f} s, "
+            f"fit {r['wall_s']:.1f} s{ratio}"
         )
     print(f"wrote {path}")
 

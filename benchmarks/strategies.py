@@ -2,6 +2,7 @@
 
     python benchmarks/strategies.py                   # [[2,1]] and [[1,2]] on 2 processes (CPU/gloo or GPUs)
     python benchmarks/strategies.py --layouts '[[4,1],["fsdp","tp"]]' --nproc 4 --repeats 7
+    python benchmarks/strategies.py --layouts '[[2],["tp"]]' --sequence-parallel off --steps 40   # tp alone
 
 (a) `parallelkit`: `FSDPTPStrategy(mesh_shape=...)` applying the model's declared plan, eager, and
     `parallelkit_compile`: the same with `compile=True` and `compile_optimizer=True` (each block and the optimizer's
@@ -10,6 +11,8 @@
 (b) `lightning`: Lightning's `ModelParallelStrategy` with a hand-written `configure_model` doing the same
     parallelize_module + fully_shard (the same reshard policy);
 (c) `raw`: a plain PyTorch loop with the same parallelisation, optimizer and loss logging, no Lightning (the floor).
+A layout without a data-parallel axis (`[[2], ["tp"]]`) is tensor parallelism alone: (b) and (c) apply no FSDP there,
+while parallelkit's `fsdp_tp` adds an fsdp axis of size 1 and shards over it (what that costs is what it measures).
 
 The variants take turns inside one job (a, b, c, then b, c, a, ...), so drift in the machine's speed hits all
 alike. Step time is the wall time between the ends of consecutive optimizer steps (data loading and the
@@ -63,7 +66,7 @@ def parallelize_by_hand(model: GPT, tp_mesh, dp_mesh, sequence_parallel: bool = 
     """What a Lightning ModelParallelStrategy user writes in configure_model for this GPT (and a raw loop
     user before training), following torch's and Lightning's tensor-parallel examples: tensor parallel with
     sequence parallelism (the attention's and MLP's input gathered once, `PrepareModuleInput`), then FSDP2 per
-    block and the root."""
+    block and the root; `dp_mesh` None (a layout without a data-parallel axis, `[[2], ["tp"]]`): no FSDP."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
@@ -98,6 +101,8 @@ def parallelize_by_hand(model: GPT, tp_mesh, dp_mesh, sequence_parallel: bool = 
         if sequence_parallel:
             plan["norm"] = SequenceParallel()
         parallelize_module(model, tp_mesh, plan)
+    if dp_mesh is None:
+        return
     for i, block in enumerate(model.blocks):
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=i < len(model.blocks) - 1)
     fully_shard(model, mesh=dp_mesh, reshard_after_forward=False)
@@ -106,13 +111,21 @@ def parallelize_by_hand(model: GPT, tp_mesh, dp_mesh, sequence_parallel: bool = 
 class HandWrittenGPT(GPT):
     """The reference GPT as a Lightning ModelParallelStrategy user would parallelise it."""
 
-    def __init__(self, sequence_parallel: bool = True, **kwargs) -> None:
+    def __init__(self, sequence_parallel: bool = True, data_parallel: bool = True, **kwargs) -> None:
         super().__init__(**kwargs)
         self.sequence_parallel = sequence_parallel
+        self.data_parallel = data_parallel
 
     def configure_model(self) -> None:
         mesh = self.device_mesh
-        parallelize_by_hand(self, mesh["tensor_parallel"], mesh["data_parallel"], self.sequence_parallel)
+        dp = mesh["data_parallel"] if self.data_parallel else None
+        parallelize_by_hand(self, mesh["tensor_parallel"], dp, self.sequence_parallel)
+
+
+def has_dp_axis(spec: MeshSpec) -> bool:
+    """Whether the layout names a data-parallel axis (`[[1, 2], ["fsdp", "tp"]]` does, with size 1; `[[2], ["tp"]]`
+    does not: the hand-written variants then apply no FSDP)."""
+    return any(axis in spec.names for axis in ("replicate", "fsdp"))
 
 
 def model_kwargs(args: argparse.Namespace) -> dict:
@@ -141,7 +154,8 @@ def run_lightning(args: argparse.Namespace, spec: MeshSpec, variant: str) -> Ste
             compile_optimizer=compiled,
         )
     else:
-        model = HandWrittenGPT(sequence_parallel=args.sequence_parallel == "on", **model_kwargs(args))
+        sp = args.sequence_parallel == "on"
+        model = HandWrittenGPT(sequence_parallel=sp, data_parallel=has_dp_axis(spec), **model_kwargs(args))
         strategy = ModelParallelStrategy(data_parallel_size=spec.dp_size, tensor_parallel_size=spec.size("tp"))
     trainer = quiet_trainer(strategy, args.warmup + args.steps, [clock], precision=args.precision)
     trainer.fit(model, data(args, spec.dp_size))
@@ -154,7 +168,7 @@ def run_raw(args: argparse.Namespace, spec: MeshSpec) -> StepClock:
     dp, tp = spec.dp_size, spec.size("tp")
     mesh = init_device_mesh(accelerator(), (dp, tp), mesh_dim_names=("dp", "tp"))
     model = GPT(**model_kwargs(args))
-    parallelize_by_hand(model, mesh["tp"], mesh["dp"], args.sequence_parallel == "on")
+    parallelize_by_hand(model, mesh["tp"], mesh["dp"] if has_dp_axis(spec) else None, args.sequence_parallel == "on")
     model.to(device)
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
