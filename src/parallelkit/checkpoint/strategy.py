@@ -125,7 +125,12 @@ class ShardedCheckpoints:
         if self.is_global_zero:
             if logging:
                 entry = (staging, path, self._in_flight)
-                self._unpublished = (*(e for e in self._unpublished if e[:2] != entry[:2]), entry)  # saved again
+                queued = [e[:2] for e in self._unpublished]
+                if entry[:2] in queued:  # saved again in its step: published once, where it was first queued
+                    at = queued.index(entry[:2])
+                    self._unpublished = (*self._unpublished[:at], entry, *self._unpublished[at + 1 :])
+                else:
+                    self._unpublished += (entry,)
             else:
                 publish(staging, path)
         self.barrier()
