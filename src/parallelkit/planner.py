@@ -23,8 +23,9 @@ all-reduce; tp's activation collectives; pp's boundary activations and their gra
 compute (6 FLOPs per parameter per token plus attention, at `mfu` of the device's peak, stretched by the
 pipeline bubble; a checkpointed unit's forward runs twice, 8 FLOPs per parameter per token) to every axis's bytes
 over its link bandwidth, with no overlap assumed. Layouts are ranked by job-wide tokens per second among those that
-fit; `recommend(search=True)` also tries activation checkpointing (none, every 2nd unit, all) and every micro-batch
-that divides the samples a process takes per optimizer step (the rest accumulated), keeping the global batch.
+fit; `recommend(search=workloads(work))` also tries activation checkpointing (none, every 2nd unit, all) and every
+micro-batch that divides the samples a process takes per optimizer step (the rest accumulated), keeping the global
+batch.
 
 Over 400 lines: one estimate of a step (the profile, the per-rank arithmetic, the candidate meshes, the
 recommendation) whose parts read the same counts; apart, each would re-export the others' definitions.
@@ -87,7 +88,8 @@ class Workload:
     @property
     def checkpoint_every(self) -> int:
         """Every how many units activation checkpointing recomputes one; 0 for none."""
-        return {"none": 0, "full": 1}.get(self.activation_checkpointing, self.activation_checkpointing)  # type: ignore[arg-type]
+        policy = self.activation_checkpointing
+        return 0 if policy == "none" else 1 if policy == "full" else int(policy)
 
 
 def workload(
@@ -414,7 +416,7 @@ def estimate(
         every = work.checkpoint_every
         return [unit for i, unit in enumerate(layer for layer in stage if layer.unit) if every and i % every == 0]
 
-    batch = (work.micro_batch, work.accumulate)
+    policy = work.activation_checkpointing
     worst: Estimate | None = None
     slowest = 0.0
     for rank in range(pp):
@@ -467,7 +469,7 @@ def estimate(
         slowest = max(slowest, seconds)
         grads = trained / sharding * 4
         e = Estimate(str(spec), schedule, param_bytes, grads, grads * states, acts, gathered, comm, seconds)
-        e.activation_checkpointing, e.micro_batch, e.accumulate = work.activation_checkpointing, *batch
+        e.activation_checkpointing, e.micro_batch, e.accumulate = policy, work.micro_batch, work.accumulate
         if worst is None or e.peak > worst.peak:
             worst = e
     worst.step_s = slowest
@@ -555,7 +557,7 @@ def estimate_layout(
 
 
 CHECKPOINTING_SEARCHED: tuple[str | int, ...] = ("none", 2, "full")
-"""The activation checkpointing `recommend(search=True)` tries: none, every 2nd unit, every unit."""
+"""The activation checkpointing `workloads` tries: none, every 2nd unit, every unit."""
 
 
 def workloads(work: Workload, checkpointing: bool = True, micro_batch: bool = True) -> list[Workload]:
@@ -563,16 +565,11 @@ def workloads(work: Workload, checkpointing: bool = True, micro_batch: bool = Tr
     divides the samples a process takes per optimizer step, the rest accumulated (`micro_batch`): the same global
     batch, so the same training, at another memory and speed."""
     samples = work.micro_batch * work.accumulate
-    policies = dict.fromkeys((work.activation_checkpointing, *CHECKPOINTING_SEARCHED) if checkpointing else [None])
+    policies = [work.activation_checkpointing, *(CHECKPOINTING_SEARCHED if checkpointing else ())]
     batches = _divisors(samples) if micro_batch else [work.micro_batch]
     return [
-        replace(
-            work,
-            activation_checkpointing=policy or work.activation_checkpointing,
-            micro_batch=mb,
-            accumulate=samples // mb,
-        )
-        for policy in policies
+        replace(work, activation_checkpointing=policy, micro_batch=mb, accumulate=samples // mb)
+        for policy in dict.fromkeys(policies)
         for mb in batches
     ]
 
@@ -607,12 +604,12 @@ def recommend(
     if not fitting:
         best = min(estimates, key=lambda e: e.peak)
         over = best.peak - hw.device_memory
-        tried = "" if search is None else " (activation checkpointing and micro-batch searched)"
+        searched = "" if search is None else " (activation checkpointing and micro-batch searched)"
         return (
             estimates,
             None,
             (
-                f"no layout fits{tried}: the smallest per-device peak is {gb(best.peak)} ({layout(best)}), "
+                f"no layout fits{searched}: the smallest per-device peak is {gb(best.peak)} ({layout(best)}), "
                 f"{gb(over)} over the {gb(hw.device_memory)} device ({best.peak / hw.device_memory:.2f}x). Fix: more "
                 "devices, "
                 + ("" if search else "activation checkpointing, a smaller micro-batch, ")
