@@ -149,7 +149,7 @@ def test_the_ledger_counts_what_a_checkpointed_block_keeps_and_recomputes():
     block = Block(d, 4, mlp_ratio=4)
     leaf = torch.randn(batch, seq, d, requires_grad=True)
     plain = SavedTensorWindow()
-    plain.start(block)
+    plain.start()
     block(leaf * 1.0).sum().backward()  # `* 1.0`: an activation (a leaf would count as a parameter)
     assert plain.stop() == 79_232  # the hand count of the test above
     composable_checkpoint(block)

@@ -145,6 +145,9 @@ def watch_checkpointed(model: torch.nn.Module) -> None:
     """Make an open window count what `model`'s checkpointed modules hold (once per module): their kept inputs, and
     their recomputed activations during backward. Inside a checkpointed forward, checkpoint's saved-tensor hooks,
     not the ledger's, are called."""
+    if model in _LOOKED_THROUGH:  # checkpointing is applied before training starts: each model is looked through once
+        return
+    _LOOKED_THROUGH.add(model)
     for module in checkpointed_submodules(model):
         if module not in _WATCHED:
             _WATCHED.add(module)
@@ -152,6 +155,7 @@ def watch_checkpointed(model: torch.nn.Module) -> None:
             module.register_forward_hook(_checkpointed_forward_ends, always_call=True)
 
 
+_LOOKED_THROUGH: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 _WATCHED: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 
 
