@@ -77,19 +77,22 @@ def parallelkit(
 
 
 _SERVER: subprocess.Popen | None = None
-_OUTPUT = Path(tempfile.mkdtemp(prefix="parallelkit-cli-"))  # the forked command's stdout and stderr, one at a time
+_OUTPUT: Path | None = None  # where the forked command's stdout and stderr go, one command at a time
 
 
 def _forked(args: list[str], cwd: Path, timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
-    global _SERVER
-    if _SERVER is None or _SERVER.poll() is not None:
-        import atexit
+    import atexit
 
+    global _SERVER, _OUTPUT
+    if _SERVER is None or _SERVER.poll() is not None:
         server = [sys.executable, str(SCRIPTS / "cli_server.py")]
         _SERVER = subprocess.Popen(
             server, env=subprocess_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         atexit.register(_SERVER.kill)
+    if _OUTPUT is None:
+        _OUTPUT = Path(tempfile.mkdtemp(prefix="parallelkit-cli-"))
+        atexit.register(shutil.rmtree, _OUTPUT, ignore_errors=True)
     out, err = _OUTPUT / "stdout", _OUTPUT / "stderr"
     request = {"args": args, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err), "timeout": timeout}
     _SERVER.stdin.write(json.dumps(request) + "\n")
