@@ -429,7 +429,7 @@ def plan_command(argv: Sequence[str]) -> int:
     work = workload(
         cli.datamodule,
         cli.precision,
-        args.activation_checkpointing or cli.activation_checkpointing,
+        cli.activation_checkpointing if args.activation_checkpointing is None else args.activation_checkpointing,
         cli.accumulate,
         seq_len=args.seq_len,
         micro_batch=args.micro_batch,
