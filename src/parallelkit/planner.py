@@ -429,13 +429,14 @@ def estimate(
         reduced = trained - sum(layer.trainable_experts for layer in layers) * (1 - 1 / ep)  # experts: over fsdp
         in_flight = _in_flight(schedule if pp > 1 else None, pp, rank, m, v)
         kept = [layer.output * cb / tp if layer.name in kept_input else held(layer) for layer in layers]
-        acts = sum(kept) * in_flight * samples  # at the end of forward
+        per_sample = sum(kept)
+        acts = per_sample * in_flight * samples  # at the end of forward
         if any(i == len(stages) - 1 for i, _ in mine):
             acts += prof.loss_activations * cb * samples
         before = 0.0
         for layer, holds in zip(layers, kept):
             if layer.name in kept_input:  # recomputed in backward: what comes after it is freed by then
-                acts = max(acts, (sum(kept) * (in_flight - 1) + before + held(layer)) * samples)
+                acts = max(acts, (per_sample * (in_flight - 1) + before + held(layer)) * samples)
             before += holds
         units = [gathered_bytes([layer]) for layer in layers if layer.unit]
         all_gathered = gathered_bytes(layers)
