@@ -67,3 +67,45 @@ def test_a_scheduler_made_after_compiling_still_tracks_the_step():
     optimizer.step()
     assert optimizer._opt_called
     schedule.step()
+
+
+def test_tp_without_fsdp_leaves_plain_parameters_that_a_foreach_update_takes_beside_dtensors():
+    """On one data-parallel rank `parallelize` applies no FSDP (it would only copy), so without sequence parallelism
+    the norms stay plain tensors beside tensor parallelism's DTensors. A foreach update (GPUs' default) of one group
+    holding both is refused by DTensor; `replicate_plain_tensors`, which the strategies apply to such an optimizer,
+    runs it. Rank 0 of a fake two-process group: the update's dispatch is what is tested, not the collectives."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    from parallelkit import parallelize
+    from parallelkit.compat import fake_process_group
+    from parallelkit.optim import mixes_plain_and_dtensors, replicate_plain_tensors
+    from parallelkit.parallel import resolve
+
+    with fake_process_group(rank=0, world_size=2):
+        mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("fsdp", "tp"))
+        torch.manual_seed(0)
+        model = GPT(n_layer=1, n_head=2, n_embd=32)
+        parallelize(model, mesh, resolved=resolve(model, tp=2, sequence_parallel=False))
+        assert not isinstance(model, FSDPModule)
+        kinds = {name: isinstance(p, DTensor) for name, p in model.named_parameters()}
+        assert kinds["blocks.0.attn.q.weight"] and not kinds["norm.weight"]
+
+        def step(optimizer: torch.optim.Optimizer) -> None:
+            def closure() -> torch.Tensor:
+                optimizer.zero_grad()
+                loss = model(torch.randint(0, 256, (2, 16))).float().square().mean()
+                loss.backward()
+                return loss
+
+            optimizer.step(closure)
+
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, foreach=True)
+        assert mixes_plain_and_dtensors(optimizer)
+        with pytest.raises(RuntimeError, match="mixed torch.Tensor and DTensor"):
+            step(optimizer)
+        before = model.norm.weight.detach().clone()
+        replicate_plain_tensors(optimizer)
+        step(optimizer)
+        assert not torch.equal(before, model.norm.weight)

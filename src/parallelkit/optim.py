@@ -58,3 +58,38 @@ def compile_step(optimizer: torch.optim.Optimizer, backend: str = "inductor") ->
 
     keep_scheduler_mark(step, optimizer.step)
     optimizer.step = types.MethodType(step, optimizer)  # a bound method, as LR schedulers expect to find
+
+
+def mixes_plain_and_dtensors(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether `optimizer` updates DTensors and plain tensors together: tensor parallelism's parameters beside the
+    ones it leaves whole when no FSDP wraps them all (`parallelkit.parallel.fsdp.fsdp_needed`)."""
+    from torch.distributed.tensor import DTensor
+
+    kinds = {isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]}
+    return len(kinds) == 2
+
+
+def replicate_plain_tensors(optimizer: torch.optim.Optimizer) -> None:
+    """Make `optimizer.step(closure)` run the closure as it is, then the update with plain tensors taken as
+    replicated DTensors (torch's `implicit_replication`).
+
+    A foreach or fused update (the default on GPUs) passes every parameter of a group to one operation, which DTensor
+    refuses when it mixes DTensors and plain tensors; a plain parameter here is one tensor parallelism left whole on
+    every rank, which is what a replicated DTensor is. The closure (forward and backward) runs outside, where a mix
+    is still the error it should be.
+    """
+    from torch.distributed.tensor.experimental import implicit_replication
+
+    update = optimizer.step
+
+    def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        with implicit_replication():
+            update()
+        return loss
+
+    keep_scheduler_mark(step, optimizer.step)
+    optimizer.step = types.MethodType(step, optimizer)

@@ -23,7 +23,7 @@ from parallelkit.mesh import dense_mesh, expert_data_mesh
 from parallelkit.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_modules
 from parallelkit.parallel.compile import apply_compile
 from parallelkit.parallel.expert_parallel import apply_expert_parallel
-from parallelkit.parallel.fsdp import apply_fsdp, runnable_unit
+from parallelkit.parallel.fsdp import apply_fsdp, fsdp_needed, runnable_unit
 from parallelkit.parallel.pipeline import split_model
 from parallelkit.parallel.resolve import ResolvedPlan, resolve
 from parallelkit.parallel.tensor_parallel import apply_tensor_parallel
@@ -54,6 +54,9 @@ def parallelize(
     for the gradient reduction. `prepare(module)`: what the caller changes in a module's parameters before FSDP
     shards them (QLoRA's base weights become NF4 there): each unit just before it is sharded, then the root; without
     FSDP, each root after tensor and expert parallelism.
+
+    FSDP is left out where it would change nothing (`fsdp_needed`: one data-parallel rank, no cast, offload or comm
+    hook); the parameters are then plain tensors, or tensor parallelism's DTensors.
     """
     if resolved is None:
         if stages is not None:
@@ -63,6 +66,8 @@ def parallelize(
     name = type(model).__name__
     roots = [model] if stages is None else split_model(model, resolved, stages)
     dp_mesh = dense_mesh(mesh)  # HSDP (2-D) with a replicate axis: replicate across, shard within
+    if not fsdp_needed(model, dp_mesh, param_dtype=param_dtype, comm_hook=comm_hook, cpu_offload=cpu_offload):
+        dp_mesh = None  # one data-parallel rank and nothing to cast, offload or hook: FSDP would only copy
     for root in roots:
         if resolved.tp_size > 1:
             apply_tensor_parallel(root, mesh["tp"], resolved)

@@ -36,6 +36,25 @@ def runnable_unit(model_name: str, fqn: str, module: nn.Module) -> Unit:
     return [child for _, child in children]
 
 
+def fsdp_needed(
+    model: nn.Module, dp_mesh: DeviceMesh | None, *, param_dtype: Any = None, comm_hook: Any = None, cpu_offload: bool
+) -> bool:
+    """Whether FSDP2 over `dp_mesh` would change anything for `model`: shard (more than one rank), cast (a
+    `param_dtype` some floating parameter does not have already), offload, or reduce through a comm hook.
+
+    Over one rank with none of these it would only copy every parameter into its unsharded buffer before the forward
+    and every gradient through the reduce-scatter path after the backward: 4.5% of a tensor-parallel step on the CPU
+    (`benchmarks/strategies.py`, `[[1, 2]]`). Without the wrap the parameters tensor parallelism left alone stay plain
+    tensors beside its DTensors (`parallelkit.optim.replicate_plain_tensors` lets a foreach update take both)."""
+    if dp_mesh is None:
+        return False
+    if dp_mesh.size() > 1 or cpu_offload or comm_hook is not None:
+        return True
+    return param_dtype is not None and any(
+        param.is_floating_point() and param.dtype != param_dtype for param in model.parameters()
+    )
+
+
 def apply_fsdp(
     root: nn.Module,
     units: list[Unit],

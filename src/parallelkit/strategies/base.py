@@ -51,7 +51,7 @@ from parallelkit.errors import ConfigError
 from parallelkit.init import draw_whole_in_hooks, has_meta_tensors, materialize, meta_parameters
 from parallelkit.lora import quantize_base, wants_nf4
 from parallelkit.mesh import AXES, MeshSpec
-from parallelkit.optim import compile_step
+from parallelkit.optim import compile_step, mixes_plain_and_dtensors, replicate_plain_tensors
 from parallelkit.parallel import ResolvedPlan, resolve
 from parallelkit.parallel.compile import compile_backends, cpp_compiler
 from parallelkit.strategies.precision import ShardedPrecision
@@ -439,9 +439,11 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
-        if self.optimizer_backend():
-            for optimizer in self.optimizers:
+        for optimizer in self.optimizers:
+            if self.optimizer_backend():
                 compile_step(optimizer, self.optimizer_backend())
+            if mixes_plain_and_dtensors(optimizer):
+                replicate_plain_tensors(optimizer)
 
     @override
     def model_to_device(self) -> None:
