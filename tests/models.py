@@ -434,6 +434,17 @@ class GPTGatheringPerProjection(GPT):
     tp_plan = {pattern: style for pattern, style in GPT.tp_plan.items() if style != "gather_input"}
 
 
+class ParameterKinds(L.Callback):
+    """Logs `params/plain`: how many of the module's parameters are plain tensors, not DTensors, at each step (FSDP
+    makes every parameter a DTensor, even over one rank)."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        from torch.distributed.tensor import DTensor
+
+        plain = sum(not isinstance(p, DTensor) for p in pl_module.parameters())
+        pl_module.log("params/plain", float(plain), on_step=True, rank_zero_only=True)
+
+
 class CompiledGraphs(L.Callback):
     """Logs `compiled_graphs`: how many graphs torch.compile has built in this process so far (0: nothing compiled);
     and `optimizer_graphs`: how many of them this step's `optimizer.step` built after its closure (forward, backward,

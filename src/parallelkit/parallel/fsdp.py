@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+import torch
 from torch import nn
 
 from parallelkit.errors import PlanError
@@ -39,20 +40,28 @@ def runnable_unit(model_name: str, fqn: str, module: nn.Module) -> Unit:
 def fsdp_needed(
     model: nn.Module, dp_mesh: DeviceMesh | None, *, param_dtype: Any = None, comm_hook: Any = None, cpu_offload: bool
 ) -> bool:
-    """Whether FSDP2 over `dp_mesh` would change anything for `model`: shard (more than one rank), cast (a
-    `param_dtype` some floating parameter does not have already), offload, or reduce through a comm hook.
+    """Whether FSDP2 over `dp_mesh` would change anything for `model`: shard (more than one rank), offload, cast (a
+    `param_dtype` some floating parameter does not have already), round gradients (a comm hook's `reduce_dtype`
+    narrower than a parameter's) or reduce them its own way (a hook that overrides `configure`).
 
     Over one rank with none of these it would only copy every parameter into its unsharded buffer before the forward
-    and every gradient through the reduce-scatter path after the backward: 4.5% of a tensor-parallel step on the CPU
-    (`benchmarks/strategies.py`, `[[1, 2]]`). Without the wrap the parameters tensor parallelism left alone stay plain
-    tensors beside its DTensors (`parallelkit.optim.replicate_plain_tensors` lets a foreach update take both)."""
+    and every gradient through the reduce-scatter path after the backward (`benchmarks/strategies.py`, tensor
+    parallelism alone). Without the wrap the parameters tensor parallelism leaves alone stay plain tensors beside
+    its DTensors (`parallelkit.optim.replicate_plain_tensors` lets a foreach update take both)."""
+    from parallelkit.comm import CommHook
+
     if dp_mesh is None:
         return False
-    if dp_mesh.size() > 1 or cpu_offload or comm_hook is not None:
+    if dp_mesh.size() > 1 or cpu_offload:
         return True
-    return param_dtype is not None and any(
-        param.is_floating_point() and param.dtype != param_dtype for param in model.parameters()
+    if comm_hook is not None and type(comm_hook).configure is not CommHook.configure:
+        return True
+    dtypes = {param.dtype for param in model.parameters() if param.is_floating_point()}
+    reduce_dtype = getattr(comm_hook, "reduce_dtype", None)
+    rounds = reduce_dtype is not None and any(
+        torch.finfo(reduce_dtype).bits <= torch.finfo(dtype).bits and dtype != reduce_dtype for dtype in dtypes
     )
+    return rounds or (param_dtype is not None and dtypes != {param_dtype})
 
 
 def apply_fsdp(
