@@ -92,9 +92,11 @@ def parallelize_by_hand(model: GPT, tp_mesh, dp_mesh, sequence_parallel: bool = 
             }
             if sequence_parallel:
                 gather = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+                # The attention also takes the tokens' positions (None here), which stay as they are.
+                gather_x = PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None))
                 plan |= {
                     f"blocks.{i}.attn_norm": SequenceParallel(),
-                    f"blocks.{i}.attn": gather,
+                    f"blocks.{i}.attn": gather_x,
                     f"blocks.{i}.mlp_norm": SequenceParallel(),
                     f"blocks.{i}.mlp": gather,
                 }

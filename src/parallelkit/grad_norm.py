@@ -59,6 +59,18 @@ def global_grad_norm(
     return total if infinite else total.pow(1.0 / norm_type)
 
 
+def settle_partial_gradients(module: torch.nn.Module) -> None:
+    """Make every DTensor gradient that is still a pending sum (a `Partial` placement: tensor parallelism leaves a
+    sequence-parallel norm's weight gradient so) take its parameter's placements, one all-reduce each.
+
+    FSDP does this in its reduction. Without FSDP (one data-parallel rank), the optimizer would otherwise redistribute
+    the same gradient again in every operation that meets it: AdamW twice per parameter and step."""
+    for param in module.parameters():
+        grad = param.grad
+        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+            param.grad = grad.redistribute(param.device_mesh, param.placements)
+
+
 @torch.no_grad()
 def clip_grad_norm_(
     parameters: Iterable[torch.Tensor],

@@ -55,8 +55,8 @@ def parallelize(
     shards them (QLoRA's base weights become NF4 there): each unit just before it is sharded, then the root; without
     FSDP, each root after tensor and expert parallelism.
 
-    FSDP is left out where it would change nothing (`fsdp_needed`: one data-parallel rank, no cast, offload or comm
-    hook); the parameters are then plain tensors, or tensor parallelism's DTensors.
+    FSDP is left out where it would change nothing (`fsdp_needed`: one data-parallel rank, nothing to cast, offload,
+    or round in the gradient reduction); the parameters are then plain tensors, or tensor parallelism's DTensors.
     """
     if resolved is None:
         if stages is not None:
@@ -67,7 +67,7 @@ def parallelize(
     roots = [model] if stages is None else split_model(model, resolved, stages)
     dp_mesh = dense_mesh(mesh)  # HSDP (2-D) with a replicate axis: replicate across, shard within
     if not fsdp_needed(model, dp_mesh, param_dtype=param_dtype, comm_hook=comm_hook, cpu_offload=cpu_offload):
-        dp_mesh = None  # one data-parallel rank and nothing to cast, offload or hook: FSDP would only copy
+        dp_mesh = None  # one data-parallel rank, nothing to cast, offload or round: FSDP would only copy
     for root in roots:
         if resolved.tp_size > 1:
             apply_tensor_parallel(root, mesh["tp"], resolved)

@@ -48,6 +48,7 @@ from parallelkit.compat import (
     setup_distributed,
 )
 from parallelkit.errors import ConfigError
+from parallelkit.grad_norm import settle_partial_gradients
 from parallelkit.init import draw_whole_in_hooks, has_meta_tensors, materialize, meta_parameters
 from parallelkit.lora import quantize_base, wants_nf4
 from parallelkit.mesh import AXES, MeshSpec
@@ -143,6 +144,7 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         self.mesh_spec: MeshSpec | None = None
         self.comm_precision = comm_precision
         self.comm_hook: CommHook | None = None
+        self._settle_gradients = True  # False during accumulation micro-steps without FSDP (block_backward_sync)
         self.profile_communication = profile_communication
         self.reshard_after_forward = reshard_after_forward
         self.sequence_parallel = sequence_parallel
@@ -320,7 +322,11 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         from torch.distributed.fsdp import FSDPModule
 
         if not isinstance(self.model, FSDPModule):
-            yield
+            self._settle_gradients = False  # pending sums add up across micro-steps; the last one settles them
+            try:
+                yield
+            finally:
+                self._settle_gradients = True
             return
         self.model.set_requires_gradient_sync(False)
         try:
@@ -491,3 +497,10 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
     def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
         with self.loss_context():
             return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        from torch.distributed.fsdp import FSDPModule
+
+        if self._settle_gradients and not isinstance(self.model, FSDPModule):
+            settle_partial_gradients(self.model)
