@@ -111,15 +111,16 @@ def test_tp_without_fsdp_leaves_plain_parameters_that_a_foreach_update_takes_bes
         assert not torch.equal(before, model.norm.weight)
 
 
-def test_sequence_parallel_norm_gradients_are_settled_once_after_backward_without_fsdp():
+def test_gradients_take_their_parameters_placements_after_backward_without_fsdp():
     """Under sequence parallelism a norm's weight gradient comes out of backward as a pending sum over the sequence
-    shards (Partial); without FSDP, which would settle it, AdamW would all-reduce it in each operation that meets it.
-    `settle_partial_gradients` (the strategies run it after each backward) gives it the parameter's placements."""
+    shards (Partial), and a row-wise embedding's whole; without FSDP, which would settle both, AdamW would all-reduce
+    the first in each operation that meets it and every tp rank would hold the second whole. `settle_gradients` (the
+    strategies run it after each backward) gives each its parameter's placements and local shape."""
     from torch.distributed.device_mesh import init_device_mesh
 
     from parallelkit import parallelize
     from parallelkit.compat import fake_process_group
-    from parallelkit.grad_norm import settle_partial_gradients
+    from parallelkit.grad_norm import settle_gradients
     from parallelkit.parallel import resolve
 
     with fake_process_group(rank=0, world_size=2):
@@ -127,9 +128,11 @@ def test_sequence_parallel_norm_gradients_are_settled_once_after_backward_withou
         model = GPT(n_layer=1, n_head=2, n_embd=32)
         parallelize(model, mesh, resolved=resolve(model, tp=2, sequence_parallel=True))
         model(torch.randint(0, 256, (2, 16))).float().square().mean().backward()
-        pending = [name for name, p in model.named_parameters() if any(q.is_partial() for q in p.grad.placements)]
-        assert "norm.weight" in pending
-        settle_partial_gradients(model)
         params = dict(model.named_parameters())
-        assert all(params[name].grad.placements == params[name].placements for name in pending)
-        assert not any(q.is_partial() for p in params.values() for q in p.grad.placements)
+        assert any(q.is_partial() for q in params["norm.weight"].grad.placements)
+        # The row-wise embedding's gradient comes out whole (replicated) beside its vocabulary-sharded weight.
+        assert params["tok_emb.weight"].grad.placements != params["tok_emb.weight"].placements
+        settle_gradients(model)
+        for name, param in params.items():
+            assert param.grad.placements == param.placements, name
+            assert param.grad.to_local().shape == param.to_local().shape, name

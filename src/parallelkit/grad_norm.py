@@ -59,15 +59,17 @@ def global_grad_norm(
     return total if infinite else total.pow(1.0 / norm_type)
 
 
-def settle_partial_gradients(module: torch.nn.Module) -> None:
-    """Make every DTensor gradient that is still a pending sum (a `Partial` placement: tensor parallelism leaves a
-    sequence-parallel norm's weight gradient so) take its parameter's placements, one all-reduce each.
+def settle_gradients(module: torch.nn.Module) -> None:
+    """Give every DTensor gradient its parameter's placements: a pending sum (`Partial`: tensor parallelism leaves a
+    sequence-parallel norm's weight gradient so) is all-reduced once; a whole gradient of a sharded parameter (a
+    row-wise embedding's comes out replicated) keeps this rank's shard and frees the rest.
 
-    FSDP does this in its reduction. Without FSDP (one data-parallel rank), the optimizer would otherwise redistribute
-    the same gradient again in every operation that meets it: AdamW twice per parameter and step."""
+    FSDP does this in its reduction. Without FSDP (one data-parallel rank) the optimizer would otherwise redistribute
+    the same gradient again in every operation that meets it (AdamW: twice per parameter and step), and a whole
+    embedding gradient would stay allocated on every tp rank."""
     for param in module.parameters():
         grad = param.grad
-        if isinstance(grad, DTensor) and any(p.is_partial() for p in grad.placements):
+        if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:
             param.grad = grad.redistribute(param.device_mesh, param.placements)
 
 

@@ -48,7 +48,7 @@ from parallelkit.compat import (
     setup_distributed,
 )
 from parallelkit.errors import ConfigError
-from parallelkit.grad_norm import settle_partial_gradients
+from parallelkit.grad_norm import settle_gradients
 from parallelkit.init import draw_whole_in_hooks, has_meta_tensors, materialize, meta_parameters
 from parallelkit.lora import quantize_base, wants_nf4
 from parallelkit.mesh import AXES, MeshSpec
@@ -503,4 +503,4 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         from torch.distributed.fsdp import FSDPModule
 
         if self._settle_gradients and not isinstance(self.model, FSDPModule):
-            settle_partial_gradients(self.model)
+            settle_gradients(self.model)
