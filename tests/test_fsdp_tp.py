@@ -61,7 +61,6 @@ def baselines(baseline):
             [
                 "--trainer.strategy.sequence_parallel=false",
                 "--trainer.gradient_clip_val=0.05",
-                "--trainer.strategy.profile_communication=true",
                 callback("models.ParameterKinds"),
             ],
             "clip",
@@ -74,7 +73,7 @@ def test_layout_matches_single_process_losses(
     """Also: the replicas every layout keeps (tp's whole norms, HSDP's replicate axis) stay equal, checked every 5
     steps by a ReplicaMonitor that would end the run. On [[1, 2]] without sequence parallelism the fsdp axis of one
     rank gets no FSDP (it would only copy): the norms stay plain tensors and train beside tensor parallelism's DTensors,
-    the clipping norm spans both, and the gradients are reduced by no collective."""
+    and the clipping norm spans both."""
     replicas = callback("parallelkit.callbacks.ReplicaMonitor", every_n_steps=5, on_mismatch="raise")
     overrides = (*common(corpus, tmp_path / "cache"), *layout(mesh, devices, batch_size), *extra, replicas)
     assert_ok(fit("hybrid.yaml", tmp_path, *overrides))
@@ -85,9 +84,6 @@ def test_layout_matches_single_process_losses(
     compared = step_losses(tmp_path, "replicas/compared")
     assert min(compared) == 4 and (min(compared.values()) > 0) == (name != "fsdp2_accumulate2"), compared
     if name == "tp2_no_sp_clip":
-        metrics = next(tmp_path.rglob("metrics.csv")).read_text().splitlines()[0].split(",")
-        kinds = {m.removeprefix("comm/").removesuffix("_count") for m in metrics if m.endswith("_count")}
-        assert "all_reduce" in kinds and "reduce_scatter" not in kinds, kinds
         assert set(step_losses(tmp_path, "params/plain").values()) == {2 * 2 + 1}  # the blocks' two norms, the last
 
 
