@@ -32,17 +32,13 @@ def compile_step(optimizer: torch.optim.Optimizer, backend: str = "inductor") ->
     update = torch.compile(eager, backend=backend)
     rates: list[torch.Tensor] = []  # one per param group, refilled before each step
 
-    def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def compiled(self: torch.optim.Optimizer) -> None:
         groups = self.param_groups
         if any(group["lr"] == 0 for group in groups):
             # Compiled, AdamW divides by the learning rate and writes NaN where lr and a gradient entry are both 0
             # (torch issue 126514): a schedule's zero (warmup from 0, a decay to 0) or DCP initialising the state.
             eager()
-            return loss
+            return
         rates.extend(torch.zeros((), dtype=torch.float64) for _ in range(len(groups) - len(rates)))
         floats = [group["lr"] for group in groups]
         for group, rate, lr in zip(groups, rates, floats):
@@ -54,6 +50,20 @@ def compile_step(optimizer: torch.optim.Optimizer, backend: str = "inductor") ->
         finally:
             for group, lr in zip(groups, floats):
                 group["lr"] = lr
+
+    closure_then(optimizer, compiled)
+
+
+def closure_then(optimizer: torch.optim.Optimizer, update: Callable[[torch.optim.Optimizer], None]) -> None:
+    """Make `optimizer.step(closure)` run the closure (eager, with gradients) and then `update(optimizer)`, which runs
+    the optimizer's own step as it was before this call, without the closure."""
+
+    def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        update(self)
         return loss
 
     keep_scheduler_mark(step, optimizer.step)
@@ -82,14 +92,8 @@ def replicate_plain_tensors(optimizer: torch.optim.Optimizer) -> None:
 
     update = optimizer.step
 
-    def step(self: torch.optim.Optimizer, closure: Callable[[], Any] | None = None) -> Any:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def replicated(self: torch.optim.Optimizer) -> None:
         with implicit_replication():
             update()
-        return loss
 
-    keep_scheduler_mark(step, optimizer.step)
-    optimizer.step = types.MethodType(step, optimizer)
+    closure_then(optimizer, replicated)

@@ -144,7 +144,8 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         self.mesh_spec: MeshSpec | None = None
         self.comm_precision = comm_precision
         self.comm_hook: CommHook | None = None
-        self._settle_gradients = True  # False during accumulation micro-steps without FSDP (block_backward_sync)
+        self._settle_gradients = False  # after each backward: with tp's DTensors and no FSDP (`setup`), not while
+        # accumulating (block_backward_sync), where pending sums add up until the last micro-step settles them
         self.profile_communication = profile_communication
         self.reshard_after_forward = reshard_after_forward
         self.sequence_parallel = sequence_parallel
@@ -322,11 +323,11 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         from torch.distributed.fsdp import FSDPModule
 
         if not isinstance(self.model, FSDPModule):
-            self._settle_gradients = False  # pending sums add up across micro-steps; the last one settles them
+            settle, self._settle_gradients = self._settle_gradients, False
             try:
                 yield
             finally:
-                self._settle_gradients = True
+                self._settle_gradients = settle
             return
         self.model.set_requires_gradient_sync(False)
         try:
@@ -434,6 +435,12 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
                 "sequence dim (no 'sequence_parallel' entry), so its activations stay whole on every tp rank."
             )
         self.parallelize_model(trainer)
+        from torch.distributed.fsdp import FSDPModule
+        from torch.distributed.tensor import DTensor
+
+        self._settle_gradients = not isinstance(self.model, FSDPModule) and any(
+            isinstance(param, DTensor) for param in self.model.parameters()
+        )
         quiet_root_view_warning(self.model)
         if has_meta_tensors(self.model):
             materialize(self.model, torch.device("cpu") if self.cpu_offload else self.root_device, built)
@@ -500,7 +507,5 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
-        if self._settle_gradients and not isinstance(self.model, FSDPModule):
+        if self._settle_gradients:
             settle_gradients(self.model)
