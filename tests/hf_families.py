@@ -246,12 +246,10 @@ def tp_on_two_processes(families: list[str], out: Path) -> dict[str, str]:
     """`{family: "" | what differs}`: each family split tp=2 with sequence parallelism on two gloo processes
     (`tests/scripts/hf_tp_families.py`, one launch) against one process's loss and gradients."""
     import json
-    import subprocess
 
-    script = REPO / "tests" / "scripts" / "hf_tp_families.py"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "--standalone", str(script)]
-    proc = subprocess.run([*cmd, str(out), *families], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    from support import assert_ok, torchrun
+
+    assert_ok(torchrun("hf_tp_families.py", 2, str(out), *families, cwd=out.parent))
     return json.loads(out.read_text())
 
 

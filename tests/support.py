@@ -3,15 +3,19 @@ CLI or torchrun), never this process. Fixtures and pytest hooks are in conftest.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import csv
 import json
 import os
 import random
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,53 +70,136 @@ def run(args: list[str], cwd: Path, timeout: float = 600, **env: str) -> subproc
 
 
 def parallelkit(
-    *args: str, cwd: Path, timeout: float = 600, fork: bool = False, **env: str
+    *args: str, cwd: Path, timeout: float = 600, real_launch: bool = False, **env: str
 ) -> subprocess.CompletedProcess:
-    """`python -m parallelkit.cli ARGS` to completion. `fork`: for a command that starts no other process (a
-    refusal before launch, `plan`, `export-hf`, ...), run in a fork of a process that imported the CLI once
-    (tests/scripts/cli_server.py), which saves each command the interpreter's start and its imports."""
-    if fork:
-        return _forked(list(args), cwd, timeout, subprocess_env(**env))
-    return run([sys.executable, "-m", "parallelkit.cli", *args], cwd, timeout, **env)
+    """`parallelkit ARGS` to completion, as `subprocess.run` would report it: its ranks forked from a process that
+    imported the CLI once (`launch`), or, `real_launch`, `python -m parallelkit.cli ARGS` with Lightning's own
+    launcher (only where the launcher is what a test checks: say why at the call)."""
+    if real_launch or not forkable(env):
+        return run([sys.executable, "-m", "parallelkit.cli", *args], cwd, timeout, **env)
+    return launch(list(args), cwd=cwd, **env).result(timeout)
+
+
+def torchrun(script: str, nproc: int, *args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """tests/scripts/<script> on `nproc` ranks with torchrun's variables, forked as `launch` forks the CLI's."""
+    return launch(list(args), cwd=cwd, script=str(SCRIPTS / script), nprocs=nproc).result(timeout)
+
+
+def script(name: str, *args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    """`python tests/scripts/<name> ARGS`, a Python-API script whose Trainer launches its ranks (forked as `launch`
+    forks the CLI's)."""
+    return launch(list(args), cwd=cwd, script=str(SCRIPTS / name)).result(timeout)
+
+
+def forkable(env: dict[str, str]) -> bool:
+    """Whether a job with these extra variables can be forked from the server: not one that changes what the
+    interpreter does at start (PYTHONPATH: where plugins and `sitecustomize` are found; other PYTHON* settings)."""
+    return not any(name.startswith("PYTHON") for name in env)
+
+
+@dataclass
+class Job:
+    """A forked job (tests/scripts/fork_server.py): its leader, in a session of its own (`pid`: signal the whole
+    job with `os.killpg(job.pid, ...)`), and its ranks (`ranks()`). Waited for as a `subprocess.Popen` is."""
+
+    pid: int
+    directory: Path
+    args: list[str]
+    returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            status = self.directory / "status"
+            if status.exists() or not _alive(self.pid):
+                # no status from a leader that is gone: the job was SIGKILLed whole
+                self.returncode = int(status.read_text()) if status.exists() else -signal.SIGKILL
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.poll() is None:
+            if deadline is not None and time.monotonic() > deadline:
+                raise subprocess.TimeoutExpired(self.args, timeout)
+            time.sleep(0.02)
+        return self.returncode
+
+    def ranks(self) -> list[int]:
+        """The pids of the ranks started so far, by rank."""
+        path = self.directory / "ranks"
+        return json.loads(path.read_text()) if path.exists() else []
+
+    def session(self) -> list[int]:
+        """Every process of the job still alive: the leader and its ranks."""
+        found = subprocess.run(["pgrep", "-s", str(self.pid)], capture_output=True, text=True).stdout.split()
+        return [int(pid) for pid in found]
+
+    def kill(self, signum: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signum)
+
+    def stdout(self) -> str:
+        return (self.directory / "stdout").read_text(errors="replace")
+
+    def stderr(self) -> str:
+        return (self.directory / "stderr").read_text(errors="replace")
+
+    def result(self, timeout: float) -> subprocess.CompletedProcess:
+        """Wait up to `timeout` seconds (then kill the job whole and raise, as `subprocess.run`); the exit status
+        and output as `subprocess.run` returns them."""
+        try:
+            self.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise
+        finally:
+            if self.returncode is None:
+                self.kill()
+        done = subprocess.CompletedProcess(self.args, self.returncode, self.stdout(), self.stderr())
+        shutil.rmtree(self.directory, ignore_errors=True)
+        return done
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 _SERVER: subprocess.Popen | None = None
-_OUTPUT: Path | None = None  # where the forked command's stdout and stderr go, one command at a time
+_JOBS: Path | None = None  # the jobs' directories (output, status, rank pids), one per job
 
 
-def _forked(args: list[str], cwd: Path, timeout: float, env: dict[str, str]) -> subprocess.CompletedProcess:
-    import atexit
-
-    global _SERVER, _OUTPUT
+def launch(args: list[str], cwd: Path, script: str | None = None, nprocs: int | None = None, **env: str) -> Job:
+    """Start `parallelkit ARGS` (given `script`: `python SCRIPT ARGS`) in `cwd`, forked from this pytest process's
+    server, which imported the CLI once (tests/scripts/fork_server.py); returns at once. Lightning's launcher starts
+    the other ranks as it does for the real command, or, with `nprocs`, that many ranks start at once with torchrun's
+    variables. Each job has its own session, environment (`subprocess_env(**env)`: its own rendezvous port) and
+    output files."""
+    global _SERVER, _JOBS
     if _SERVER is None or _SERVER.poll() is not None:
-        server = [sys.executable, str(SCRIPTS / "cli_server.py")]
+        server = [sys.executable, str(SCRIPTS / "fork_server.py")]
         _SERVER = subprocess.Popen(
             server, env=subprocess_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
         )
         atexit.register(_SERVER.kill)
-    if _OUTPUT is None:
-        _OUTPUT = Path(tempfile.mkdtemp(prefix="parallelkit-cli-"))
-        atexit.register(shutil.rmtree, _OUTPUT, ignore_errors=True)
-    out, err = _OUTPUT / "stdout", _OUTPUT / "stderr"
-    request = {"args": args, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err), "timeout": timeout}
+    if _JOBS is None:
+        _JOBS = Path(tempfile.mkdtemp(prefix="parallelkit-jobs-"))
+        atexit.register(shutil.rmtree, _JOBS, ignore_errors=True)
+    directory = Path(tempfile.mkdtemp(dir=_JOBS))
+    request = {
+        "args": args,
+        "cwd": str(cwd),
+        "env": subprocess_env(**env),
+        "dir": str(directory),
+        "script": script,
+        "nprocs": nprocs,
+    }
     _SERVER.stdin.write(json.dumps(request) + "\n")
     _SERVER.stdin.flush()
-    returncode = json.loads(_SERVER.stdout.readline())["returncode"]
-    stdout, stderr = out.read_text(), err.read_text()
-    return subprocess.CompletedProcess(["parallelkit", *args], returncode, stdout, stderr)
-
-
-def torchrun(script: str, nproc: int, *args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc-per-node={nproc}",
-        "--standalone",  # c10d rendezvous on a port the launcher binds itself (localhost:0): none to collide with
-        str(SCRIPTS / script),
-        *args,
-    ]
-    return run(cmd, cwd, timeout)
+    pid = json.loads(_SERVER.stdout.readline())["pid"]
+    return Job(pid, directory, [script or "parallelkit", *args])
 
 
 def step_losses(save_dir: Path, key: str = "train_loss") -> dict[int, float]:
@@ -130,9 +217,10 @@ def assert_ok(proc: subprocess.CompletedProcess) -> None:
 
 
 def fit(
-    config: str, save_dir: Path, *overrides: str, timeout: float = 600, fork: bool = False, **env: str
+    config: str, save_dir: Path, *overrides: str, timeout: float = 600, real_launch: bool = False, **env: str
 ) -> subprocess.CompletedProcess:
-    """`parallelkit fit --config configs/<config>` logging CSV under `save_dir`, quietly (`fork`: see parallelkit)."""
+    """`parallelkit fit --config configs/<config>` logging CSV under `save_dir`, quietly (`real_launch`: see
+    parallelkit)."""
     save_dir.mkdir(parents=True, exist_ok=True)
     return parallelkit(
         "fit",
@@ -144,7 +232,7 @@ def fit(
         *overrides,
         cwd=save_dir,
         timeout=timeout,
-        fork=fork,
+        real_launch=real_launch,
         **env,
     )
 

@@ -100,6 +100,26 @@ def test_the_contract_imports_nothing_of_ours_and_the_parallel_code_no_lora_or_s
         assert not wrong, f"{name} imports {wrong}: a technique knows the contract, not models, LoRA or strategies"
 
 
+def test_importing_the_contract_loads_no_lightning_and_the_root_hands_its_names_on_when_used():
+    """A fresh interpreter (the question is what an import loads): `import parallelkit.contract` loads neither
+    Lightning nor anything that imports it (torchmetrics), nor any strategy; the root's names come when asked for."""
+    import subprocess
+    import sys
+
+    from support import subprocess_env
+
+    code = (
+        "import sys, parallelkit.contract\n"
+        "heavy = ('lightning', 'pytorch_lightning', 'torchmetrics', 'parallelkit.strategies', 'parallelkit.cli')\n"
+        "print(sorted(name for name in heavy if name in sys.modules))\n"
+        "import parallelkit\n"
+        "print(parallelkit.MeshSpec.__module__, 'lightning' in sys.modules)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split("\n")[:2] == ["[]", "parallelkit.mesh False"], proc.stdout
+
+
 def calls(path: Path, function: str) -> int:
     """Calls of `function` by its plain name (as imported: `resolve(...)`, not `path.resolve()`)."""
     tree = ast.parse(path.read_text())

@@ -88,7 +88,7 @@ def test_a_rank_on_another_kind_of_device_fails_the_check_naming_it(tmp_path):
 
 
 def dry_run(tmp_path, config, *args):
-    proc = parallelkit("check", "--dry-run", "--config", str(config), "--json", *args, cwd=tmp_path, fork=True)
+    proc = parallelkit("check", "--dry-run", "--config", str(config), "--json", *args, cwd=tmp_path)
     assert_ok(proc)
     return json.loads(proc.stdout[proc.stdout.index("{\n") :])
 

@@ -21,6 +21,7 @@ from support import (
     checkpoint_every,
     common,
     fit,
+    launch,
     parallelkit,
     run,
     step_losses,
@@ -92,7 +93,7 @@ def test_consolidated_weights_are_the_saving_runs_weights(tmp_path, corpus, save
     from torch.empty) or a shard put in the wrong place changes it."""
     losses, ckpt = saved
     out = tmp_path / "weights.pt"
-    assert_ok(parallelkit("consolidate", str(ckpt), str(out), cwd=tmp_path, fork=True))
+    assert_ok(parallelkit("consolidate", str(ckpt), str(out), cwd=tmp_path))
     weights = torch.load(out, weights_only=True)
     model = GPT(n_layer=2, n_head=4, n_embd=64)
     model.load_state_dict(weights)  # strict: every name and shape matches the unparallelised model
@@ -235,33 +236,36 @@ def test_a_save_cut_short_is_ignored_and_last_resumes_from_the_complete_one(save
 
 
 @dataclass
-class Background:
-    """A job started by `training_in_background`: the launcher process, and its stderr as a file (a pipe nobody reads
-    while the test waits fills with 4 ranks' tracebacks and blocks them)."""
+class RealLaunch:
+    """A job `training_in_background` started with Lightning's own launcher: the `parallelkit` process (rank 0,
+    whose children are the other ranks), in a session of its own, and its stderr as a file (a pipe nobody reads while
+    the test waits fills with 4 ranks' tracebacks and blocks them). Waited for and signalled as a forked `Job`."""
 
-    job: subprocess.Popen
+    process: subprocess.Popen
     stderr_path: Path
 
-    @property
-    def pid(self) -> int:
-        return self.job.pid
+    def __getattr__(self, name: str):  # poll, wait, returncode, pid
+        return getattr(self.process, name)
 
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
 
-    def session(self) -> list[str]:
-        """Every process of the job still alive (the launcher started it in a session of its own)."""
-        return subprocess.run(["pgrep", "-s", str(self.job.pid)], capture_output=True, text=True).stdout.split()
+    def session(self) -> list[int]:
+        found = subprocess.run(["pgrep", "-s", str(self.pid)], capture_output=True, text=True).stdout.split()
+        return [int(pid) for pid in found]
+
+    def kill(self, signum: int = signal.SIGKILL) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.pid, signum)
 
 
 @contextlib.contextmanager
-def training_in_background(tmp_path, corpus, save_dir, *overrides: str, until: Path, config: str = "hybrid.yaml"):
-    """A run of configs/<config> (4-process hybrid by default) in its own session, yielded once `until` exists;
-    killed whole if left running."""
+def training_in_background(
+    tmp_path, corpus, save_dir, *overrides: str, until: Path, config: str = "hybrid.yaml", real_launch: bool = False
+):
+    """A run of configs/<config> (4-process hybrid by default), forked (`support.launch`: `Job`) or, `real_launch`,
+    through `python -m parallelkit.cli` (`RealLaunch`), yielded once `until` exists; killed whole if left running."""
     args = [
-        sys.executable,
-        "-m",
-        "parallelkit.cli",
         "fit",
         "--config",
         str(REPO / "configs" / config),
@@ -271,26 +275,29 @@ def training_in_background(tmp_path, corpus, save_dir, *overrides: str, until: P
         *overrides,
     ]
     Path(save_dir).mkdir(parents=True, exist_ok=True)
-    stderr_path = Path(save_dir) / "stderr.txt"
-    with open(stderr_path, "w") as stderr:
-        job = subprocess.Popen(
-            args,
-            cwd=tmp_path,
-            env=subprocess_env(),
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-            start_new_session=True,
-        )
-    run = Background(job, stderr_path)
+    if real_launch:
+        stderr_path = Path(save_dir) / "stderr.txt"
+        with open(stderr_path, "w") as stderr:
+            process = subprocess.Popen(
+                [sys.executable, "-m", "parallelkit.cli", *args],
+                cwd=tmp_path,
+                env=subprocess_env(),
+                stdout=subprocess.DEVNULL,
+                stderr=stderr,
+                start_new_session=True,
+            )
+        job = RealLaunch(process, stderr_path)
+    else:
+        job = launch(args, cwd=tmp_path)
     try:
         deadline = time.time() + 300
         while not until.exists():
-            assert job.poll() is None and time.time() < deadline, f"training never produced {until}\n{run.stderr()}"
+            assert job.poll() is None and time.time() < deadline, f"training never produced {until}\n{job.stderr()}"
             time.sleep(0.1)
-        yield run
+        yield job
     finally:
         if job.poll() is None:
-            os.killpg(job.pid, signal.SIGKILL)
+            job.kill()
         job.wait()
 
 
@@ -333,15 +340,17 @@ def killed_then_restarted(tmp_path_factory, corpus):
     crash = callback("models.CrashOnce", step=7, marker=str(killed))
     # max_steps as the uninterrupted run (the LR schedule depends on it); the crash comes long before it.
     overrides = [f"--trainer.max_steps={STEPS}", checkpoint_every(ckpt, 5, last=True), crash]
-    with training_in_background(root, corpus, root / "first", *overrides, until=killed) as job:
+    # Lightning's own launcher: how it and gloo end the other ranks is what the test checks (a forked job's leader
+    # would end them itself).
+    with training_in_background(root, corpus, root / "first", *overrides, until=killed, real_launch=True) as job:
         killed_at = killed.stat().st_mtime  # touched by rank 1 just before it SIGKILLs itself
         with contextlib.suppress(subprocess.TimeoutExpired):
-            job.job.wait(timeout=max(0.0, killed_at + KILLED_RANK_BOUND_S - time.time()))
+            job.wait(timeout=max(0.0, killed_at + KILLED_RANK_BOUND_S - time.time()))
         while job.session() and time.time() - killed_at < KILLED_RANK_BOUND_S:
             time.sleep(0.1)
         ended_after = time.time() - killed_at
         left_running = job.session()
-        returncode = job.job.poll()
+        returncode = job.poll()
     cmd = [
         sys.executable,
         "-m",
@@ -448,8 +457,8 @@ def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp
         tmp_path, corpus, tmp_path / "first", *FSDP2, checkpoint_every(ckpt, 4), until=ckpt / "epoch=0-step=4.ckpt"
     ) as job:
         os.killpg(job.pid, signal.SIGTERM)  # what SLURM or torchrun does to every process of the job
-        job.job.wait(timeout=120)
-    assert job.job.returncode == 0, job.stderr()[-3000:]
+        job.wait(timeout=120)
+    assert job.returncode == 0, job.stderr()[-3000:]
     assert (ckpt / "last.ckpt" / "meta.pt").is_file()
     stopped_at = max(step_losses(tmp_path / "first"))
     assert stopped_at < STEPS - 1
@@ -478,10 +487,9 @@ def test_sigterm_under_ddp_comm_saves_last_exits_cleanly_and_the_relaunch_loses_
         until=ckpt / "epoch=0-step=2.ckpt",
         config="ddp.yaml",
     ) as job:
-        (rank1,) = [int(pid) for pid in job.session() if int(pid) != job.pid]  # the launcher is rank 0
-        os.kill(rank1, signal.SIGTERM)
-        job.job.wait(timeout=120)
-    assert job.job.returncode == 0, job.stderr()[-3000:]
+        os.kill(job.ranks()[1], signal.SIGTERM)
+        job.wait(timeout=120)
+    assert job.returncode == 0, job.stderr()[-3000:]
     assert (ckpt / "last.ckpt").is_file()
     stopped_at = max(step_losses(tmp_path / "first"))
     assert stopped_at < STEPS - 1
@@ -521,10 +529,9 @@ def test_sigterm_to_one_rank_of_a_pipeline_or_tp_job_saves_last_and_the_relaunch
         until=ckpt / "epoch=0-step=2.ckpt",
         config=config,
     ) as job:
-        (rank1,) = [int(pid) for pid in job.session() if int(pid) != job.pid]  # the launcher is rank 0
-        os.kill(rank1, signal.SIGTERM)
-        job.job.wait(timeout=120)
-    assert job.job.returncode == 0, job.stderr()[-3000:]
+        os.kill(job.ranks()[1], signal.SIGTERM)
+        job.wait(timeout=120)
+    assert job.returncode == 0, job.stderr()[-3000:]
     last = ckpt / "last.ckpt"
     assert (last / "meta.pt").is_file() and (last / ".metadata").is_file(), sorted(p.name for p in last.iterdir())
     assert len(list(last.glob("*.distcp"))) == 2 and not list(ckpt.glob("*.partial"))

@@ -6,7 +6,7 @@ from support import REPO, assert_ok, assert_same_losses, fit, parallelkit, step_
 
 
 def test_env_lays_out_a_mesh_rank_by_coordinate(tmp_path: Path):
-    proc = parallelkit("env", "--mesh", '[[2, 2], ["fsdp", "tp"]]', "--devices", "4", cwd=tmp_path, fork=True)
+    proc = parallelkit("env", "--mesh", '[[2, 2], ["fsdp", "tp"]]', "--devices", "4", cwd=tmp_path)
     assert_ok(proc)
     assert "torch" in proc.stdout and "gloo: yes" in proc.stdout and "MASTER_ADDR" in proc.stdout
     rows = [line.split("│")[1:-1] for line in proc.stdout.splitlines() if line.count("│") == 6]
@@ -30,7 +30,7 @@ def test_env_lays_out_a_mesh_rank_by_coordinate(tmp_path: Path):
     ],
 )
 def test_bad_mesh_is_one_paragraph_error_without_traceback(tmp_path: Path, mesh: str, fragments: list[str]):
-    proc = parallelkit("env", "--mesh", mesh, "--devices", "4", cwd=tmp_path, fork=True)
+    proc = parallelkit("env", "--mesh", mesh, "--devices", "4", cwd=tmp_path)
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     error = proc.stderr.strip()
@@ -40,7 +40,7 @@ def test_bad_mesh_is_one_paragraph_error_without_traceback(tmp_path: Path, mesh:
 
 
 def test_help_lists_lightning_subcommands_and_tools(tmp_path: Path):
-    proc = parallelkit("--help", cwd=tmp_path, fork=True)
+    proc = parallelkit("--help", cwd=tmp_path)
     assert_ok(proc)
     for word in ("fit", "validate", "test", "predict", "parallelkit env", "parallelkit plugins"):
         assert word in proc.stdout

@@ -45,7 +45,7 @@ def hf_checkpoint(tmp: Path) -> str:
 
 
 def export(*args: str, ckpt: Callable[[Path], str] = hf_checkpoint) -> Callable[[Path], subprocess.CompletedProcess]:
-    return lambda tmp: parallelkit("export-hf", ckpt(tmp), str(tmp / "out"), *args, cwd=tmp, timeout=120, fork=True)
+    return lambda tmp: parallelkit("export-hf", ckpt(tmp), str(tmp / "out"), *args, cwd=tmp, timeout=120)
 
 
 def not_a_checkpoint(tmp: Path) -> str:
@@ -78,7 +78,7 @@ def fit_pretrained(**changes: object) -> Callable[[Path], subprocess.CompletedPr
     def run(tmp: Path) -> subprocess.CompletedProcess:
         directory = pretrained_with(tmp, **changes)
         overrides = (f"--model.init_args.pretrained={directory}", "--model.init_args.config=null")
-        return fit("hf_llama.yaml", tmp, *QUICK, *overrides, timeout=120, fork=True)
+        return fit("hf_llama.yaml", tmp, *QUICK, *overrides, timeout=120)
 
     return run
 
@@ -90,11 +90,11 @@ def bad_yaml(tmp: Path) -> str:
 
 
 def plan(*args: str) -> Callable[[Path], subprocess.CompletedProcess]:
-    return lambda tmp: parallelkit("plan", "--devices-per-node", "4", *args, cwd=tmp, timeout=120, fork=True)
+    return lambda tmp: parallelkit("plan", "--devices-per-node", "4", *args, cwd=tmp, timeout=120)
 
 
 def fit_config(config: str, *overrides: str) -> Callable[[Path], subprocess.CompletedProcess]:
-    return lambda tmp: fit(config, tmp, *QUICK, *overrides, timeout=120, fork=True)
+    return lambda tmp: fit(config, tmp, *QUICK, *overrides, timeout=120)
 
 
 HYBRID = str(REPO / "configs" / "hybrid.yaml")
@@ -165,19 +165,19 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         ["model.config has pad_token_id=300, outside its vocabulary of vocab_size=256", "Fix the sizes"],
     ),
     "ckpt_path that does not exist": (
-        lambda tmp: fit("single.yaml", tmp, *QUICK, f"--ckpt_path={tmp / 'nope.ckpt'}", timeout=120, fork=True),
+        lambda tmp: fit("single.yaml", tmp, *QUICK, f"--ckpt_path={tmp / 'nope.ckpt'}", timeout=120),
         ["nope.ckpt does not exist", "ckpt_path=last"],
     ),
     "ckpt_path directory without .metadata": (
-        lambda tmp: fit("hybrid.yaml", tmp, *QUICK, f"--ckpt_path={tmp}", timeout=120, fork=True),
+        lambda tmp: fit("hybrid.yaml", tmp, *QUICK, f"--ckpt_path={tmp}", timeout=120),
         ["is not a sharded (DCP) checkpoint: it has no .metadata file", "Pass the checkpoint directory"],
     ),
     "ckpt_path with a corrupt .metadata": (
-        lambda tmp: fit("hybrid.yaml", tmp, *QUICK, f"--ckpt_path={corrupt_metadata(tmp)}", timeout=120, fork=True),
+        lambda tmp: fit("hybrid.yaml", tmp, *QUICK, f"--ckpt_path={corrupt_metadata(tmp)}", timeout=120),
         ["step=10.ckpt/.metadata cannot be read", "damaged or incomplete", "Fix: use another checkpoint"],
     ),
     "checkpoint that weights_only refuses": (
-        lambda tmp: fit("single.yaml", tmp, *QUICK, f"--ckpt_path={pickled_class(tmp)}", timeout=120, fork=True),
+        lambda tmp: fit("single.yaml", tmp, *QUICK, f"--ckpt_path={pickled_class(tmp)}", timeout=120),
         ["payload.ckpt holds pickled Python objects (test_errors.Payload)", "refuses for safety", "nothing was loaded"],
     ),
     "export-hf of a file that is not a checkpoint": (
@@ -201,11 +201,11 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         ["--config missing.yaml cannot be read: No such file or directory", "Fix: the path of a YAML file"],
     ),
     "fit with a config file that does not exist": (
-        lambda tmp: parallelkit("fit", "--config", "configs/hybird.yaml", cwd=tmp, timeout=120, fork=True),
+        lambda tmp: parallelkit("fit", "--config", "configs/hybird.yaml", cwd=tmp, timeout=120),
         ["--config configs/hybird.yaml cannot be read: No such file or directory", "Fix: the path of a YAML file"],
     ),
     "YAML syntax error": (
-        lambda tmp: parallelkit("fit", "--config", bad_yaml(tmp), cwd=tmp, timeout=120, fork=True),
+        lambda tmp: parallelkit("fit", "--config", bad_yaml(tmp), cwd=tmp, timeout=120),
         ["run.yaml is not valid YAML at line 4, column 6", "expected ',' or ']'", "Fix the YAML there"],
     ),
     # Mesh errors, through `fit` (test_cli.py checks them through `parallelkit env`).

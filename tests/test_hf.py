@@ -221,7 +221,6 @@ def test_plan_fits_a_llama_3_8b_config_on_8_devices_and_counts_its_parameters(tm
         "80GB",
         "--json",
         cwd=tmp_path,
-        fork=True,
     )
     assert_ok(proc)
     report = json.loads(proc.stdout)

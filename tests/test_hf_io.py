@@ -100,7 +100,7 @@ def test_every_layout_starts_from_the_pretrained_models_own_loss(runs, corpus, p
 def test_export_writes_what_from_pretrained_loads_bit_equal_to_the_trained_weights(tmp_path, runs, pretrained):
     trained = runs / "ckpt" / f"epoch=0-step={STEPS}.ckpt"
     out = tmp_path / "exported"
-    proc = parallelkit("export-hf", str(trained), str(out), "--max-shard-size", "100KB", cwd=tmp_path, fork=True)
+    proc = parallelkit("export-hf", str(trained), str(out), "--max-shard-size", "100KB", cwd=tmp_path)
     assert_ok(proc)
     assert "warn" not in proc.stderr.lower(), proc.stderr
     weights = torch.load(consolidate(trained, tmp_path / "weights.pt"), weights_only=True)
@@ -202,9 +202,7 @@ def test_the_readme_fine_tune_runs_end_to_end_and_transformers_loads_the_result(
     assert_ok(fit("finetune.yaml", run, *overrides))
     assert sorted(step_losses(run)) == [0, 1, 2, 3]  # 4 steps at the config's fine-tuning rate: weights move a little
     out = tmp_path / "tuned"
-    assert_ok(
-        parallelkit("export-hf", str(run / "runs/finetune/checkpoints/last.ckpt"), str(out), cwd=tmp_path, fork=True)
-    )
+    assert_ok(parallelkit("export-hf", str(run / "runs/finetune/checkpoints/last.ckpt"), str(out), cwd=tmp_path))
     from transformers import AutoTokenizer
 
     tokenizer, original = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(base)

@@ -192,8 +192,8 @@ def test_exported_adapters_load_with_peft_and_the_merged_model_with_transformers
     from peft import PeftModel
 
     ckpt = lora_run(reference, pretrained, None, "2x2").checkpoint
-    assert_ok(parallelkit("export-hf", str(ckpt), str(tmp_path / "adapters"), "--adapters", cwd=tmp_path, fork=True))
-    assert_ok(parallelkit("export-hf", str(ckpt), str(tmp_path / "merged"), cwd=tmp_path, fork=True))
+    assert_ok(parallelkit("export-hf", str(ckpt), str(tmp_path / "adapters"), "--adapters", cwd=tmp_path))
+    assert_ok(parallelkit("export-hf", str(ckpt), str(tmp_path / "merged"), cwd=tmp_path))
     adapters = torch.load(consolidate(ckpt, tmp_path / "adapters.pt"), weights_only=True)
     model = HFCausalLM(pretrained=str(pretrained), lora=LORA)
     missing, unexpected = model.load_state_dict(adapters, strict=False)

@@ -185,7 +185,7 @@ def test_a_pretrained_moe_directory_loads_sharded_and_exports_what_transformers_
         assert_ok(fit(CONFIG, tmp_path / name, *common(corpus, tmp_path / "cache", steps=3), *finetune, *layout))
     assert_same_losses(step_losses(tmp_path / "one"), step_losses(tmp_path / "fsdp_ep"))
     trained = tmp_path / "ckpt" / "epoch=0-step=3.ckpt"
-    assert_ok(parallelkit("export-hf", str(trained), str(tmp_path / "exported"), cwd=tmp_path, fork=True))
+    assert_ok(parallelkit("export-hf", str(trained), str(tmp_path / "exported"), cwd=tmp_path))
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "exported")
     weights = torch.load(consolidate(trained, tmp_path / "weights.pt"), weights_only=True)
     assert all(torch.equal(value, weights[f"model.{key}"]) for key, value in exported.state_dict().items())

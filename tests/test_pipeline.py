@@ -1,10 +1,8 @@
 """Pipeline strategies: per-step losses equal one process's, validation too, and errors instead of hangs."""
 
-import sys
-
 import pytest
 import torch
-from support import SCRIPTS, assert_ok, assert_same_losses, common, fit, run, step_losses
+from support import assert_ok, assert_same_losses, common, fit, script, step_losses
 from torch import nn
 
 from parallelkit import PipelineStrategy
@@ -300,6 +298,6 @@ def test_schedule_stats_log_busy_time_and_bubble_next_to_theory(tmp_path, corpus
 
 
 def test_pipelined_predict_returns_the_unsplit_models_outputs_on_every_rank(tmp_path):
-    proc = run([sys.executable, str(SCRIPTS / "pipeline_predict.py")], tmp_path)
+    proc = script("pipeline_predict.py", cwd=tmp_path)
     assert_ok(proc)
     assert proc.stdout.count("predictions equal the unsplit model's") == 2

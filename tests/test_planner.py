@@ -210,12 +210,12 @@ def test_70b_on_four_nodes_of_eight_80gb_devices_recommends_a_layout_that_fits()
 
 def test_plan_command_prints_every_mesh_and_the_recommendation(tmp_path):
     args = ["plan", "--config", str(REPO / "configs" / "gpt70b.yaml"), "--nodes", "4", "--devices-per-node", "8"]
-    table = parallelkit(*args, "--device-memory", "80GB", cwd=tmp_path, fork=True)
+    table = parallelkit(*args, "--device-memory", "80GB", cwd=tmp_path)
     assert_ok(table)
     assert "recommended: " in table.stdout and "<- recommended" in table.stdout
     for mesh in ('[[32, 1], ["fsdp", "tp"]]', '[[4, 1, 8], ["replicate", "fsdp", "tp"]]', '["pp", "fsdp", "tp"]'):
         assert mesh in table.stdout
-    proc = parallelkit(*args, "--device-memory", "80GB", "--json", cwd=tmp_path, fork=True)
+    proc = parallelkit(*args, "--device-memory", "80GB", "--json", cwd=tmp_path)
     assert_ok(proc)
     report = json.loads(proc.stdout)
     assert report["recommended"]["fits"] and report["recommended"]["peak"] <= 80e9
@@ -228,8 +228,8 @@ def test_plan_table_and_json_hold_every_field_of_an_estimate(tmp_path):
     cell added without a header, fails here."""
     args = ["plan", "--config", str(REPO / "configs" / "hybrid.yaml"), "--devices-per-node", "4", "--device-memory"]
     table, as_json = (
-        parallelkit(*args, "1GB", cwd=tmp_path, fork=True),
-        parallelkit(*args, "1GB", "--json", cwd=tmp_path, fork=True),
+        parallelkit(*args, "1GB", cwd=tmp_path),
+        parallelkit(*args, "1GB", "--json", cwd=tmp_path),
     )
     assert_ok(table)
     assert_ok(as_json)
@@ -261,7 +261,6 @@ def test_a_model_that_fits_nowhere_says_by_how_much(tmp_path):
         "--device-memory",
         "16GB",
         cwd=tmp_path,
-        fork=True,
     )
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "no layout fits (activation checkpointing and micro-batch searched): the smallest per-device peak is" in (

@@ -44,18 +44,22 @@ def site(tmp_path: Path) -> Path:
 
 
 def test_broken_plugin_warns_with_its_distribution_and_others_still_register(site: Path):
+    """Imported first, parallelkit loads no plugin (nor Lightning); the first Trainer loads and registers them all:
+    the broken one and the clash are warnings naming the distribution, the good one is built by name."""
     code = (
-        "import warnings\n"
+        "import sys, warnings\n"
         "warnings.simplefilter('always')\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    import parallelkit\n"
+        "import parallelkit\n"
+        "print('LOADED AT IMPORT', sorted(m for m in ('pk_good', 'pk_broken', 'lightning') if m in sys.modules))\n"
         "import lightning as L\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    trainer = L.Trainer(strategy='good', accelerator='cpu', devices=1, logger=False)\n"
         "for w in caught: print('WARNING', w.message)\n"
-        "trainer = L.Trainer(strategy='good', accelerator='cpu', devices=1, logger=False)\n"
         "print('STRATEGY', type(trainer.strategy).__name__)\n"
     )
     proc = run([sys.executable, "-c", code], cwd=site.parent, PYTHONPATH=str(site))
     assert_ok(proc)
+    assert "LOADED AT IMPORT []" in proc.stdout
     assert "parallelkit-broken 0.3 failed to load" in proc.stdout and "boom at import" in proc.stdout
     assert "'ddp' from parallelkit-good 0.3 is skipped" in proc.stdout  # clashes with Lightning's own ddp
     assert "STRATEGY GoodStrategy" in proc.stdout
@@ -70,7 +74,7 @@ def test_plugins_command_lists_good_and_broken_plugins(site: Path):
     assert "name clash" in rows
 
 
-def test_builtin_strategies_are_registered_on_import():
+def test_builtin_strategies_are_registered_when_the_registry_is_read():
     from lightning.pytorch.strategies import StrategyRegistry
 
     import parallelkit  # noqa: F401
@@ -105,11 +109,12 @@ def test_plugin_for_another_api_version_warns_with_both_versions_and_still_regis
     code = (
         "import warnings\n"
         "warnings.simplefilter('always')\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    import parallelkit\n"
-        "for w in caught: print('WARNING', w.message)\n"
+        "import parallelkit\n"
         "import lightning as L\n"
-        "print('STRATEGY', type(L.Trainer(strategy='future', accelerator='cpu', devices=1)).__name__)\n"
+        "with warnings.catch_warnings(record=True) as caught:\n"
+        "    trainer = L.Trainer(strategy='future', accelerator='cpu', devices=1)\n"
+        "for w in caught: print('WARNING', w.message)\n"
+        "print('STRATEGY', type(trainer).__name__)\n"
     )
     proc = run([sys.executable, "-c", code], cwd=tmp_path, PYTHONPATH=str(site))
     assert_ok(proc)

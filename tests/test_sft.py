@@ -376,11 +376,7 @@ def test_the_worked_example_fits_a_pretrained_model_on_a_jsonl_file_and_exports_
             checkpoint_every(tmp_path / "ckpt", 6, last=True),
         )
     )
-    assert_ok(
-        parallelkit(
-            "export-hf", str(tmp_path / "ckpt" / "last.ckpt"), str(tmp_path / "export"), cwd=tmp_path, fork=True
-        )
-    )
+    assert_ok(parallelkit("export-hf", str(tmp_path / "ckpt" / "last.ckpt"), str(tmp_path / "export"), cwd=tmp_path))
     exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))  # the template travelled
     ids = torch.tensor([tokenizer.apply_chat_template(TWO_TURNS)["input_ids"]])

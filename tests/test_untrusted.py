@@ -56,10 +56,8 @@ PATHS = {
         "--ckpt_path=last",
         timeout=180,
     ),
-    "consolidate": lambda tmp, corpus, ckpt: parallelkit(
-        "consolidate", str(ckpt), str(tmp / "w.pt"), cwd=tmp, fork=True
-    ),
-    "export-hf": lambda tmp, corpus, ckpt: parallelkit("export-hf", str(ckpt), str(tmp / "hf"), cwd=tmp, fork=True),
+    "consolidate": lambda tmp, corpus, ckpt: parallelkit("consolidate", str(ckpt), str(tmp / "w.pt"), cwd=tmp),
+    "export-hf": lambda tmp, corpus, ckpt: parallelkit("export-hf", str(ckpt), str(tmp / "hf"), cwd=tmp),
 }
 
 
@@ -115,18 +113,16 @@ def test_export_into_a_non_empty_directory_is_refused_and_overwrite_keeps_the_us
     (out / "notes.txt").write_text("mine")
     (out / "config.json").write_text("{}")  # a file an export writes: replaced only with --overwrite
 
-    refused = parallelkit("export-hf", "run.ckpt", "release", cwd=tmp_path, fork=True)
+    refused = parallelkit("export-hf", "run.ckpt", "release", cwd=tmp_path)
     assert_one_paragraph_error(refused, ["release already holds config.json, notes.txt", "--overwrite"])
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "notes.txt"]
     assert (out / "config.json").read_text() == "{}"
 
-    sharded = parallelkit(
-        "export-hf", "run.ckpt", "release", "--overwrite", "--max-shard-size=100KB", cwd=tmp_path, fork=True
-    )
+    sharded = parallelkit("export-hf", "run.ckpt", "release", "--overwrite", "--max-shard-size=100KB", cwd=tmp_path)
     assert_ok(sharded)
     assert len(list(out.glob("model-*-of-*.safetensors"))) > 1 and (out / "model.safetensors.index.json").is_file()
     # Once more as one file: the earlier export's shards and index go, so transformers cannot read stale weights.
-    assert_ok(parallelkit("export-hf", "run.ckpt", "release", "--overwrite", cwd=tmp_path, fork=True))
+    assert_ok(parallelkit("export-hf", "run.ckpt", "release", "--overwrite", cwd=tmp_path))
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
     assert (out / "notes.txt").read_text() == "mine"
     loaded = AutoModelForCausalLM.from_pretrained(out).state_dict()
@@ -138,10 +134,10 @@ def test_consolidate_replaces_an_existing_file_only_when_told(tmp_path):
     (tmp_path / "weights.pt").write_text("mine")
     ckpt = tmp_path / "ckpt"
     dcp.save({"state_dict.w": torch.ones(3)}, checkpoint_id=str(ckpt), no_dist=True)
-    refused = parallelkit("consolidate", "ckpt", "weights.pt", cwd=tmp_path, fork=True)
+    refused = parallelkit("consolidate", "ckpt", "weights.pt", cwd=tmp_path)
     assert_one_paragraph_error(refused, ["weights.pt already exists", "--overwrite"])
     assert (tmp_path / "weights.pt").read_text() == "mine"
-    assert_ok(parallelkit("consolidate", "ckpt", "weights.pt", "--overwrite", cwd=tmp_path, fork=True))
+    assert_ok(parallelkit("consolidate", "ckpt", "weights.pt", "--overwrite", cwd=tmp_path))
     assert torch.equal(torch.load(tmp_path / "weights.pt", weights_only=True)["w"], torch.ones(3))
 
 

@@ -15,7 +15,7 @@ import contextlib
 import logging
 import re
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +55,29 @@ between stages on one rank through `get_local_bwd_output`/`set_local_bwd_input` 
 
 
 # -- Lightning ---------------------------------------------------------------------------------------------------
+def on_first_registry_read(activate: Callable[[], None]) -> None:
+    """Call `activate` (once) when Lightning's StrategyRegistry is first read after now: a Trainer reads it as it is
+    built, whatever its `strategy`, and LightningCLI's parser through it. The registry's class (Lightning's private
+    `_StrategyRegistry`) is swapped for a subclass whose readers call `activate` and swap the class back: the
+    registry is Lightning's own object throughout, and nothing is imported until a strategy is needed."""
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    registry_class = type(StrategyRegistry)
+
+    def first(method: str) -> Callable[..., Any]:
+        def read(self: Any, *args: Any, **kwargs: Any) -> Any:
+            self.__class__ = registry_class
+            activate()
+            return getattr(self, method)(*args, **kwargs)
+
+        return read
+
+    readers = ("available_strategies", "get", "register", "__contains__", "__getitem__", "__iter__", "keys", "items")
+    armed = type("StrategyRegistryBeforeParallelkit", (registry_class,), {name: first(name) for name in readers})
+    if registry_class.__name__ != armed.__name__:
+        StrategyRegistry.__class__ = armed
+
+
 def destroy_process_groups_at_exit() -> None:
     """Destroy torch.distributed's process groups when the interpreter exits, whatever the backend.
 

@@ -5,8 +5,9 @@ A distribution declares, in its pyproject.toml::
     [project.entry-points."parallelkit.strategies"]
     foo = "parallelkit_foo:FooStrategy"          # a lightning Strategy subclass, or a StrategyPreset
 
-and after `pip install`, `import parallelkit` registers `foo` in Lightning's StrategyRegistry, so
-`Trainer(strategy="foo")` works. A plugin that fails to import, or whose name is already taken, is a
+and after `pip install`, `foo` is in Lightning's StrategyRegistry by the time a Trainer reads it, so
+`Trainer(strategy="foo")` works: `import parallelkit` arms the registry (`register_on_first_use`) and the plugins
+load when it is first read, not on import. A plugin that fails to import, or whose name is already taken, is a
 `PluginWarning` naming the distribution and the error; the others still load.
 
 A plugin states the plugin API it was written against with a class attribute `plugin_api = 1` on its strategy
@@ -16,6 +17,9 @@ A plugin states the plugin API it was written against with a class attribute `pl
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -216,3 +220,50 @@ def comm_hooks() -> dict[str, Plugin]:
         check_api(plugin, plugin.obj)
         hooks[plugin.name] = plugin
     return hooks
+
+
+_active = False
+
+
+def activate() -> None:
+    """Register every discovered strategy in Lightning's StrategyRegistry and quiet Lightning's known noise
+    (`compat.quiet_known_noise`), once per process: what a Trainer given parallelkit's or a plugin's strategy needs,
+    done when one is first built or the CLI starts."""
+    global _active
+    if not _active:
+        _active = True
+        from parallelkit.compat import quiet_known_noise
+
+        register_strategies()
+        quiet_known_noise()
+
+
+def register_on_first_use() -> None:
+    """`activate` when Lightning's StrategyRegistry is first read (`compat.on_first_registry_read`), so that
+    `import parallelkit` loads neither Lightning nor any plugin; a Lightning imported later is armed as its import
+    ends (`_ArmWhenLightningLoads`)."""
+    if "lightning" in sys.modules:
+        from parallelkit.compat import on_first_registry_read
+
+        on_first_registry_read(activate)
+    elif not any(isinstance(finder, _ArmWhenLightningLoads) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _ArmWhenLightningLoads())
+
+
+class _ArmWhenLightningLoads(importlib.abc.MetaPathFinder):
+    """Finds nothing itself: when `lightning` is imported, its module runs as usual, then the registry is armed."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> importlib.machinery.ModuleSpec | None:
+        if name != "lightning":
+            return None
+        sys.meta_path.remove(self)
+        spec = importlib.util.find_spec(name)
+        if spec is not None and spec.loader is not None:
+            execute = spec.loader.exec_module
+
+            def exec_module(module: object) -> None:
+                execute(module)
+                register_on_first_use()
+
+            spec.loader.exec_module = exec_module
+        return spec
