@@ -112,7 +112,8 @@ def fsdp4_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
 def ddp_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     """configs/ddp.yaml (2 processes) under parallelkit's DDPStrategy (the `ddp_comm` preset's class) with the fp32
     hook (its default) and profile_communication, 20 steps: its CSV log directory. One launch for test_comm.py's DDP
-    hook test and the uninterrupted run test_checkpoint.py's ddp_comm SIGTERM test compares with."""
+    hook test and the uninterrupted run test_checkpoint.py's ddp_comm SIGTERM test compares with. Launched through
+    `python -m parallelkit.cli` and Lightning's own launcher: the production path, once for DDP (tests/README.md)."""
     ddp = [
         "--trainer.strategy=parallelkit.DDPStrategy",
         "--trainer.strategy.comm_precision=fp32",
@@ -120,7 +121,7 @@ def ddp_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     ]
 
     def make(root: Path) -> None:
-        assert_ok(fit("ddp.yaml", root, *common(corpus, root / "cache"), *ddp))
+        assert_ok(fit("ddp.yaml", root, *common(corpus, root / "cache"), *ddp, real_launch=True))
 
     return made_once(tmp_path_factory, "ddp_fp32", make)
 

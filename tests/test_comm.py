@@ -276,12 +276,13 @@ def test_int8_error_feedback_sends_each_steps_rounding_error_with_the_next_step(
 
 
 def test_a_collective_timeout_prints_each_waiting_ranks_last_collectives(tmp_path, corpus):
-    """[[2, 2]] with a 20-second timeout (of collectives: the ranks may take 5 minutes to join): rank 3 stops for 35 s
+    """[[2, 2]] with a 10-second timeout (of collectives: the ranks may take 5 minutes to join): rank 3 stops for 20 s
     as step 3 starts. The other ranks' collectives of step 3 time out (the mesh's groups included: torch gives them
     their own 30-minute default); each prints the collectives it called, with their groups and sizes, up to the one
-    it waits in; rank 3 prints none, which is how it stands out."""
-    hang = callback("models.HangAt", rank=3, step=3, seconds=35)
-    overrides = (*common(corpus, tmp_path / "cache", steps=6), "--trainer.strategy.timeout=20", hang)
+    it waits in; rank 3 prints none, which is how it stands out. 10 s: far above any collective of these steps on a
+    loaded 2-core machine (tens of milliseconds), far below the default; the stop outlasts it by as much again."""
+    hang = callback("models.HangAt", rank=3, step=3, seconds=20)
+    overrides = (*common(corpus, tmp_path / "cache", steps=6), "--trainer.strategy.timeout=10", hang)
     proc = fit("hybrid.yaml", tmp_path, *overrides)
     assert proc.returncode != 0
     records = {}
