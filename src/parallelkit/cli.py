@@ -590,7 +590,6 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `parallelkit` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
     launcher_pid = os.getppid()
-    plugins.activate()
     try:
         if args and args[0] in TOOLS:
             sys.exit(TOOLS[args[0]](args[1:]))

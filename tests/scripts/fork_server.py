@@ -35,9 +35,14 @@ import traceback
 from pathlib import Path
 
 import lightning.pytorch.strategies.launchers.subprocess_script as lightning_launcher
+import transformers.models.llama.modeling_llama  # noqa: F401 - the Hugging Face family most runs build
 from lightning.fabric.utilities import rank_zero
 
+import parallelkit.callbacks  # noqa: F401 - what a run imports once the CLI has parsed, imported once here
 import parallelkit.cli as cli
+import parallelkit.data  # noqa: F401
+import parallelkit.models.hf  # noqa: F401
+import parallelkit.strategies  # noqa: F401
 
 
 def serve() -> None:
