@@ -280,6 +280,7 @@ def plugins_command(argv: Sequence[str]) -> int:
     table = Table(title="parallelkit plugins")
     for column in ("group", "name", "target", "distribution", "status"):
         table.add_column(column)
+    plugins.activate()  # registers the strategies: name clashes show as errors
     plugins.comm_hooks()  # settles comm hook name clashes so they show as errors
     for group in plugins.GROUPS:
         for plugin in plugins.discover(group):
