@@ -93,8 +93,11 @@ def script(name: str, *args: str, cwd: Path, timeout: float = 600) -> subprocess
 
 def forkable(env: dict[str, str]) -> bool:
     """Whether a job with these extra variables can be forked from the server: not one that changes what the
-    interpreter does at start (PYTHONPATH: where plugins and `sitecustomize` are found; other PYTHON* settings)."""
-    return not any(name.startswith("PYTHON") for name in env)
+    interpreter does at start (a PYTHONPATH entry holding `sitecustomize` or `usercustomize`, other PYTHON*
+    settings); PYTHONPATH's other entries are put on a forked rank's path as the interpreter would."""
+    entries = [Path(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    at_start = any((p / f"{name}.py").exists() for p in entries for name in ("sitecustomize", "usercustomize"))
+    return not at_start and not any(name.startswith("PYTHON") and name != "PYTHONPATH" for name in env)
 
 
 @dataclass

@@ -301,8 +301,24 @@ def training_in_background(
         job.wait()
 
 
+FSDP2 = [
+    "--trainer.devices=2",
+    '--trainer.strategy.mesh_shape=[[2, 1], ["fsdp", "tp"]]',
+    "--data.init_args.batch_size=4",
+]
+"""hybrid.yaml on [[2, 1]]: 2 processes, the same global batch of 8."""
+
+
+@pytest.fixture(scope="module")
+def straight_fsdp2(reference):
+    """The uninterrupted 20-step run on [[2, 1]]: what the fault tests that need no more than 2 processes (SIGTERM,
+    SIGKILL mid-save) compare their relaunches with, at 1e-6 as the same layout gives. Those tests ran on [[2, 2]];
+    a 2-process launch costs about half of a 4-process one on the CI's 2 cores."""
+    return reference("hybrid.yaml", *FSDP2).losses()
+
+
 KILLED_RANK_BOUND_S = 20.0
-"""How long every rank of a 4-process job may take to end after one is SIGKILLed, under the default collective
+"""How long every rank of a job may take to end after one is SIGKILLed, under the default collective
 timeout (1800 s). gloo reports the closed connection at once (measured: 1.8 s on 2 loaded cores), and Lightning's
 launcher SIGKILLs the other ranks within its 5 s poll once a child has died; the bound leaves room for a loaded CI
 machine and is far below any timeout."""
@@ -323,23 +339,25 @@ class KilledThenRestarted:
 
 @pytest.fixture(scope="module")
 def killed_then_restarted(tmp_path_factory, corpus):
-    """One 4-process fault sequence shared by the two tests below (each launched both of its runs before):
+    """One fault sequence on [[2, 1]] (2 processes: a sharded job at half a [[2, 2]] one's cost, the same faults)
+    shared by the two tests below (each launched both of its runs before). Both launches are real: how Lightning's
+    launcher and torchrun end and restart ranks is what they check.
 
-    1. hybrid.yaml through parallelkit's CLI; rank 1 is SIGKILLed at step 7 under the default timeout (checkpoints
-       every 5 steps, so `last` is step 5); the job is watched until every process is gone or
+    1. hybrid.yaml through `python -m parallelkit.cli`; rank 1 is SIGKILLed at step 7 under the default timeout
+       (checkpoints every 5 steps, so `last` is step 5); the job is watched until every process is gone or
        KILLED_RANK_BOUND_S has passed, then killed whole.
     2. The relaunch with `--ckpt_path=last`, by `torchrun --max-restarts=1` as the README says (c10d rendezvous, the
        rendezvous store not shared with the process group: torch 2.13 with gloo otherwise hands a restarted worker
        the previous attempt's peer addresses, "Gloo connectFullMesh failed ... Connection refused";
        pytorch/pytorch#135712). Its first attempt resumes from step 5 and trains steps 5-9 (checkpointing every 4:
-       step 8); rank 1 dies at step 10; torchrun restarts all 4 workers, which resume from step 8 and finish. The
+       step 8); rank 1 dies at step 10; torchrun restarts both workers, which resume from step 8 and finish. The
        CSV logger writes every step, so the first attempt's steps are on disk when it is killed.
     """
     root = tmp_path_factory.mktemp("killed_then_restarted")
     ckpt, killed, crashed = root / "ckpt", root / "killed", root / "crashed"
     crash = callback("models.CrashOnce", step=7, marker=str(killed))
     # max_steps as the uninterrupted run (the LR schedule depends on it); the crash comes long before it.
-    overrides = [f"--trainer.max_steps={STEPS}", checkpoint_every(ckpt, 5, last=True), crash]
+    overrides = [f"--trainer.max_steps={STEPS}", *FSDP2, checkpoint_every(ckpt, 5, last=True), crash]
     # Lightning's own launcher: how it and gloo end the other ranks is what the test checks (a forked job's leader
     # would end them itself).
     with training_in_background(root, corpus, root / "first", *overrides, until=killed, real_launch=True) as job:
@@ -355,7 +373,7 @@ def killed_then_restarted(tmp_path_factory, corpus):
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc-per-node=4",
+        "--nproc-per-node=2",
         "--max-restarts=1",
         "--rdzv-backend=c10d",
         "--rdzv-endpoint=127.0.0.1:0",  # the rendezvous store binds a free port itself: none chosen here to lose
@@ -369,6 +387,7 @@ def killed_then_restarted(tmp_path_factory, corpus):
         "--trainer.logger.init_args.flush_logs_every_n_steps=1",
         "--trainer.enable_progress_bar=false",
         "--trainer.strategy.timeout=30",
+        *FSDP2,
         checkpoint_every(ckpt, 4, last=True),
         callback("models.CrashOnce", step=10, marker=str(crashed)),
         "--ckpt_path=last",
@@ -379,11 +398,13 @@ def killed_then_restarted(tmp_path_factory, corpus):
     )
 
 
-def test_a_killed_rank_ends_every_rank_at_once_and_the_relaunch_continues_from_last(saved, killed_then_restarted):
+def test_a_killed_rank_ends_every_rank_at_once_and_the_relaunch_continues_from_last(
+    straight_fsdp2, killed_then_restarted
+):
     """Rank 1 is SIGKILLed at step 7 under the default timeout: every rank is gone within seconds (not by a timeout),
     and the relaunch with `--ckpt_path=last` continues from the step-5 checkpoint with the uninterrupted run's
     losses (the relaunch of `killed_then_restarted`: its first attempt, before its own crash at step 10)."""
-    straight, _ = saved
+    straight = straight_fsdp2
     job = killed_then_restarted
     assert job.left_running == [], f"ranks still running {job.ended_after:.1f} s after the kill: {job.left_running}"
     assert job.returncode not in (None, 0), job.stderr[-3000:]
@@ -391,22 +412,6 @@ def test_a_killed_rank_ends_every_rank_at_once_and_the_relaunch_continues_from_l
     resumed = step_losses(job.logs / "version_0")
     assert sorted(resumed) == [5, 6, 7, 8, 9]  # from the step-5 checkpoint, not from scratch
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
-
-
-FSDP2 = [
-    "--trainer.devices=2",
-    '--trainer.strategy.mesh_shape=[[2, 1], ["fsdp", "tp"]]',
-    "--data.init_args.batch_size=4",
-]
-"""hybrid.yaml on [[2, 1]]: 2 processes, the same global batch of 8."""
-
-
-@pytest.fixture(scope="module")
-def straight_fsdp2(reference):
-    """The uninterrupted 20-step run on [[2, 1]]: what the fault tests that need no more than 2 processes (SIGTERM,
-    SIGKILL mid-save) compare their relaunches with, at 1e-6 as the same layout gives. Those tests ran on [[2, 2]];
-    a 2-process launch costs about half of a 4-process one on the CI's 2 cores."""
-    return reference("hybrid.yaml", *FSDP2).losses()
 
 
 def test_a_kill_between_checkpointing_a_step_and_logging_it_loses_no_logged_step(tmp_path, corpus, straight_fsdp2):
@@ -562,6 +567,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_for_last
         *common(corpus, tmp_path / "cache"),
         *FSDP2,
         "--trainer.strategy.timeout=30",
+        *FSDP2,
         checkpoint_every(ckpt, 4, last=True),
         *([ASYNC] if writes == "async" else []),
     ]
@@ -600,11 +606,11 @@ def test_sigterm_with_a_background_write_in_flight_waits_for_it_and_its_checkpoi
     assert_same_losses({s: straight_fsdp2[s] for s in resumed}, resumed, rtol=1e-6)
 
 
-def test_torchrun_max_restarts_relaunches_a_crashed_job_from_the_last_checkpoint(saved, killed_then_restarted):
-    """Rank 1 dies at step 10; torchrun restarts all 4 workers, which resume from the step-8 checkpoint and finish
+def test_torchrun_max_restarts_relaunches_a_crashed_job_from_the_last_checkpoint(straight_fsdp2, killed_then_restarted):
+    """Rank 1 dies at step 10; torchrun restarts both workers, which resume from the step-8 checkpoint and finish
     with the uninterrupted run's losses. Launched as the README says (see `killed_then_restarted`: this is its
     relaunch, whose first attempt resumed the killed-rank job's step-5 checkpoint)."""
-    straight, _ = saved
+    straight = straight_fsdp2
     job = killed_then_restarted
     assert_ok(job.relaunch)
     assert job.crashed.exists()  # the fault did happen

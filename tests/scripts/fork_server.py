@@ -189,12 +189,17 @@ def run_rank(request: dict, env: dict[str, str], cwd: str, outputs: tuple[int, i
     os.environ.clear()
     os.environ.update(env)
     rank_zero.rank_zero_only.rank = rank_zero._get_rank() or 0  # what Lightning sets at import, from the variables
+    # The path a fresh interpreter would have: the script's directory or, for `python -m`, the working directory
+    # first (not this server's), then the job's PYTHONPATH entries, then the rest (support.forkable refuses entries
+    # that run code at start-up).
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    script = request["script"]
+    sys.path[:1] = [str(Path(script).parent) if script else os.getcwd(), *extra]
     code = 0
     try:
-        if request["script"]:
-            sys.argv = [request["script"], *request["args"]]
-            sys.path.insert(0, str(Path(request["script"]).parent))
-            runpy.run_path(request["script"], run_name="__main__")
+        if script:
+            sys.argv = [script, *request["args"]]
+            runpy.run_path(script, run_name="__main__")
         else:
             sys.argv = ["parallelkit", *request["args"]]
             cli.main()

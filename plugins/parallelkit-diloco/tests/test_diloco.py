@@ -1,4 +1,5 @@
-"""parallelkit-diloco, tested as its users run it: installed with pip, selected by name, launched by the CLI."""
+"""parallelkit-diloco, tested as its users run it: installed with pip, selected by name, launched by the CLI (its ranks
+forked by the repository's test harness, tests/README.md; the install tests start fresh interpreters)."""
 
 from __future__ import annotations
 
@@ -15,9 +16,13 @@ import parallelkit
 
 TESTS = Path(__file__).resolve().parent
 PLUGIN = TESTS.parent
+REPO = Path(parallelkit.__file__).resolve().parents[2]
 CONFIG = PLUGIN / "configs" / "diloco.yaml"
-DDP_CONFIG = Path(parallelkit.__file__).resolve().parents[2] / "configs" / "ddp.yaml"
+DDP_CONFIG = REPO / "configs" / "ddp.yaml"
 PARAMS = 131_392  # the configs' GPT (n_layer=2, n_embd=64, byte vocabulary)
+
+sys.path.insert(0, str(REPO / "tests"))
+from support import parallelkit as cli  # noqa: E402 - the repository's harness: ranks forked from a warm process
 
 
 def run(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -35,13 +40,11 @@ def ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
 
 
 def fit(config: Path, out: Path, corpus: Path, *overrides: str) -> dict[str, dict[int, float]]:
-    """`parallelkit fit` in a subprocess; returns every logged metric by step."""
+    """`parallelkit fit` (forked ranks, this directory on their path for diloco_callbacks); returns every logged
+    metric by step."""
     out.mkdir(parents=True)
     ok(
-        run(
-            sys.executable,
-            "-m",
-            "parallelkit.cli",
+        cli(
             "fit",
             f"--config={config}",
             f"--trainer.logger.init_args.save_dir={out}",
@@ -53,6 +56,7 @@ def fit(config: Path, out: Path, corpus: Path, *overrides: str) -> dict[str, dic
             "--trainer.callbacks+=parallelkit.callbacks.CommunicationMonitor",
             *overrides,
             cwd=out,
+            PYTHONPATH=str(TESTS),
         )
     )
     (metrics,) = out.rglob("metrics.csv")
@@ -212,15 +216,7 @@ def test_sigterm_between_syncs_saves_last_and_the_relaunch_continues_exactly(tmp
 
 
 def test_mesh_without_replicate_axis_is_refused_with_a_fix(tmp_path):
-    proc = run(
-        sys.executable,
-        "-m",
-        "parallelkit.cli",
-        "fit",
-        f"--config={CONFIG}",
-        '--trainer.strategy.mesh_shape=[[2], ["fsdp"]]',
-        cwd=tmp_path,
-    )
+    proc = cli("fit", f"--config={CONFIG}", '--trainer.strategy.mesh_shape=[[2], ["fsdp"]]', cwd=tmp_path)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "needs a 'replicate' axis" in proc.stderr and '[[2], ["replicate"]]' in proc.stderr
 
