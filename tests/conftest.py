@@ -126,7 +126,7 @@ def ddp_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     return made_once(tmp_path_factory, "ddp_fp32", make)
 
 
-LAUNCHING_CALLS = {"fit", "parallelkit", "torchrun", "training_in_background"}
+LAUNCHING_CALLS = {"fit", "parallelkit", "torchrun", "script", "launch", "training_in_background"}
 """support.py's helpers that start processes (by name), besides subprocess's own functions (`SUBPROCESS_CALLS`)."""
 
 SUBPROCESS_CALLS = {"run", "Popen", "check_call", "check_output", "call", "spawn"}
