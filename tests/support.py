@@ -181,15 +181,16 @@ def launch(args: list[str], cwd: Path, script: str | None = None, nprocs: int | 
     variables. Each job has its own session, environment (`subprocess_env(**env)`: its own rendezvous port) and
     output files."""
     global _SERVER, _JOBS
-    if _SERVER is None or _SERVER.poll() is not None:
-        server = [sys.executable, str(SCRIPTS / "fork_server.py")]
-        _SERVER = subprocess.Popen(
-            server, env=subprocess_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
-        )
-        atexit.register(_SERVER.kill)
     if _JOBS is None:
         _JOBS = Path(tempfile.mkdtemp(prefix="parallelkit-jobs-"))
         atexit.register(shutil.rmtree, _JOBS, ignore_errors=True)
+    if _SERVER is None or _SERVER.poll() is not None:
+        server = [sys.executable, str(SCRIPTS / "fork_server.py")]
+        with open(_JOBS / "server.log", "w") as log:  # what its imports print, kept out of pytest's output
+            _SERVER = subprocess.Popen(
+                server, env=subprocess_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True
+            )
+        atexit.register(_SERVER.kill)
     directory = Path(tempfile.mkdtemp(dir=_JOBS))
     request = {
         "args": args,
@@ -199,9 +200,13 @@ def launch(args: list[str], cwd: Path, script: str | None = None, nprocs: int | 
         "script": script,
         "nprocs": nprocs,
     }
-    _SERVER.stdin.write(json.dumps(request) + "\n")
-    _SERVER.stdin.flush()
-    pid = json.loads(_SERVER.stdout.readline())["pid"]
+    try:
+        _SERVER.stdin.write(json.dumps(request) + "\n")
+        _SERVER.stdin.flush()
+        pid = json.loads(_SERVER.stdout.readline())["pid"]
+    except (OSError, ValueError) as err:
+        log = (_JOBS / "server.log").read_text(errors="replace")
+        raise RuntimeError(f"the fork server (tests/scripts/fork_server.py) failed:\n{log[-4000:]}") from err
     return Job(pid, directory, [script or "parallelkit", *args])
 
 
