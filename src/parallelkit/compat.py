@@ -57,9 +57,10 @@ between stages on one rank through `get_local_bwd_output`/`set_local_bwd_input` 
 # -- Lightning ---------------------------------------------------------------------------------------------------
 def on_first_registry_read(activate: Callable[[], None]) -> None:
     """Call `activate` (once) when Lightning's StrategyRegistry is first read after now: a Trainer reads it as it is
-    built, whatever its `strategy`, and LightningCLI's parser through it. The registry's class (Lightning's private
-    `_StrategyRegistry`) is swapped for a subclass whose readers call `activate` and swap the class back: the
-    registry is Lightning's own object throughout, and nothing is imported until a strategy is needed."""
+    built, whatever its `strategy` (so does parallelkit's CLI, checking a strategy name). The registry's class
+    (Lightning's private `_StrategyRegistry`) is swapped for a subclass whose readers call `activate` and swap the
+    class back: the registry is Lightning's own object throughout, and nothing is imported until a strategy is
+    needed."""
     from lightning.pytorch.strategies import StrategyRegistry
 
     registry_class = type(StrategyRegistry)

@@ -228,7 +228,7 @@ _active = False
 def activate() -> None:
     """Register every discovered strategy in Lightning's StrategyRegistry and quiet Lightning's known noise
     (`compat.quiet_known_noise`), once per process: what a Trainer given parallelkit's or a plugin's strategy needs,
-    done when one is first built or the CLI starts."""
+    done when the first Trainer reads the registry (`register_on_first_use`), or by `parallelkit plugins`."""
     global _active
     if not _active:
         _active = True
