@@ -144,6 +144,21 @@ def test_all_to_all_carries_the_routed_tokens_and_none_are_dropped(ep4):
         assert row["comm/all_to_all_bytes"] == expected
 
 
+def test_expert_monitor_counts_training_steps_only_across_the_sanity_check_and_validation(tmp_path, corpus):
+    """configs/moe.yaml on [[2], ["ep"]] with its sanity check and a validation after step 2: every training step's
+    copies per expert sum to that step's tokens x top-2 x 2 layers (the global batch of 8 x 64), and none is dropped
+    (validation's copies, routed and computed, once counted into the next training step: dropped -4096 at step 0)."""
+    validating = ["--trainer.val_check_interval=2", "--trainer.limit_val_batches=2", "--trainer.num_sanity_val_steps=2"]
+    run = [*common(corpus, tmp_path / "cache", steps=4), *validating]
+    layout = ['--trainer.strategy.mesh_shape=[[2], ["ep"]]', "--trainer.devices=2", "--data.init_args.batch_size=4"]
+    assert_ok(fit(CONFIG, tmp_path, *run, *layout))
+    rows = list(_metrics(tmp_path))
+    assert len(rows) == 4 and step_losses(tmp_path, "val_loss")  # four training steps, and a validation did run
+    for row in rows:
+        assert sum(row[f"moe/tokens_expert_{e}"] for e in range(8)) == 8 * 64 * 2 * 2, row
+        assert row["moe/dropped"] == 0, row
+
+
 def _metrics(log):
     import csv
 
