@@ -103,6 +103,8 @@ def test_export_writes_what_from_pretrained_loads_bit_equal_to_the_trained_weigh
     proc = parallelkit("export-hf", str(trained), str(out), "--max-shard-size", "100KB", cwd=tmp_path)
     assert_ok(proc)
     assert "warn" not in proc.stderr.lower(), proc.stderr
+    (tmp_path / "made").mkdir()  # the mode save_pretrained's folder gets (0755 under the usual umask), not 0700
+    assert out.stat().st_mode & 0o777 == (tmp_path / "made").stat().st_mode & 0o777
     weights = torch.load(consolidate(trained, tmp_path / "weights.pt"), weights_only=True)
     assert len(json.loads((out / INDEX).read_text())["weight_map"]) == 21 and len(list(out.glob("*.safetensors"))) > 2
     exported = AutoModelForCausalLM.from_pretrained(out)

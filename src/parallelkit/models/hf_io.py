@@ -343,6 +343,9 @@ def export_hf(
         )
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    staging.chmod(0o777 & ~umask)  # the mode `mkdir` and `save_pretrained` give (mkdtemp's is 0700: owner only)
     try:
         if adapters:
             _write_adapters(staging, load, lora, adapted, hparams.get("pretrained"))
