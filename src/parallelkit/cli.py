@@ -375,14 +375,16 @@ class _PlanCLI(ParallelkitCLI):
     def __init__(self, config: str, overrides: Sequence[str]) -> None:
         with warnings.catch_warnings():  # "args and command line arguments": the tool's own options are sys.argv's
             warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
-            super().__init__(args=["--config", config, *overrides], run=False)
+            # Nothing is drawn at random on the meta device: no seed, and no "No seed found" when a preset has none.
+            super().__init__(args=["--config", config, *overrides], run=False, seed_everything_default=False)
 
     @override
     def instantiate_classes(self) -> None:
         """The model (on the meta device) and the datamodule, not the Trainer: the config names the cluster's
         devices, which this machine need not have."""
         with meta_parameters():
-            self.config_init = self.parser.instantiate_classes(self.config)
+            instantiate = getattr(self.parser, "instantiate", None) or self.parser.instantiate_classes  # < 4.49
+            self.config_init = instantiate(self.config)
         self.model = self.config_init["model"]
         self.datamodule = self.config_init["data"]
         trainer = self.config_init["trainer"]
