@@ -1,5 +1,6 @@
-"""Test helpers shared by the test files (`from support import ...`): multi-process runs go through a subprocess (the
-CLI or torchrun), never this process. Fixtures and pytest hooks are in conftest.py."""
+"""Test helpers shared by the test files (`from support import ...`): multi-process runs are jobs whose ranks are
+forked from a server process that imported the CLI once (`launch`; tests/README.md), or real launches where the
+launcher is under test; never this process. Fixtures and pytest hooks are in conftest.py."""
 
 from __future__ import annotations
 
