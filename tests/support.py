@@ -134,12 +134,10 @@ class Job:
 
     def session(self) -> list[int]:
         """Every process of the job still alive: the leader and its ranks."""
-        found = subprocess.run(["pgrep", "-s", str(self.pid)], capture_output=True, text=True).stdout.split()
-        return [int(pid) for pid in found]
+        return session(self.pid)
 
     def kill(self, signum: int = signal.SIGKILL) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signum)
+        kill_session(self.pid, signum)
 
     def stdout(self) -> str:
         return (self.directory / "stdout").read_text(errors="replace")
@@ -161,6 +159,18 @@ class Job:
         done = subprocess.CompletedProcess(self.args, self.returncode, self.stdout(), self.stderr())
         shutil.rmtree(self.directory, ignore_errors=True)
         return done
+
+
+def session(leader: int) -> list[int]:
+    """The pids of every process still alive in the session `leader` started."""
+    found = subprocess.run(["pgrep", "-s", str(leader)], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid in found]
+
+
+def kill_session(leader: int, signum: int = signal.SIGKILL) -> None:
+    """`signum` to every process of the session (its process group) `leader` started, if any is left."""
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(leader, signum)
 
 
 def _alive(pid: int) -> bool:

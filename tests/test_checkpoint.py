@@ -21,9 +21,11 @@ from support import (
     checkpoint_every,
     common,
     fit,
+    kill_session,
     launch,
     parallelkit,
     run,
+    session,
     step_losses,
     subprocess_env,
 )
@@ -251,12 +253,10 @@ class RealLaunch:
         return self.stderr_path.read_text(errors="replace")
 
     def session(self) -> list[int]:
-        found = subprocess.run(["pgrep", "-s", str(self.pid)], capture_output=True, text=True).stdout.split()
-        return [int(pid) for pid in found]
+        return session(self.pid)
 
     def kill(self, signum: int = signal.SIGKILL) -> None:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.pid, signum)
+        kill_session(self.pid, signum)
 
 
 @contextlib.contextmanager
