@@ -23,8 +23,9 @@ class ExpertMonitor(L.Callback):
       computes every copy it is given).
 
     The experts modules are the model plan's (`ParallelPlan.experts`); their routed expert ids are read from their
-    calls (`top_k_index`), so the monitor works with and without an `ep` axis. Training steps only: the sanity check
-    and validation route tokens too, and an activation-checkpoint recompute routes them again; neither is counted.
+    calls (`top_k_index`), so the monitor works with and without an `ep` axis. Training forwards only (the module in
+    train mode): the sanity check and validation route tokens too, and an activation-checkpoint recompute routes
+    them again; neither is counted, here or in the dispatch's `computed`.
     One all-reduce over every rank per step (tensor-parallel ranks, which route the same tokens, are counted once).
     """
 
@@ -34,18 +35,13 @@ class ExpertMonitor(L.Callback):
         self._experts = 1
         self._hooks: list[Any] = []
         self._dispatches: list[Any] = []  # the experts modules' `ExpertDispatch`es, under expert parallelism
-        self._computed_before_validation: list[float] = []
-        self._trainer: L.Trainer | None = None
 
     @override
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         resolved = getattr(trainer.strategy, "resolved", None) or resolve(pl_module)
         self._names = list(resolved.experts)
-        self._trainer = trainer
         held = dict(pl_module.named_modules())
         self._dispatches = [m.expert_dispatch for m in held.values() if getattr(m, "expert_dispatch", None)]
-        for dispatch in self._dispatches:
-            dispatch.computed = 0  # what the sanity check's validation computed
         for name in self._names:
             count = getattr(getattr(held.get(name), "expert_dispatch", held.get(name)), "num_experts", None)
             if isinstance(count, int):  # and held: a pipeline rank holds its stage's layers
@@ -57,7 +53,7 @@ class ExpertMonitor(L.Callback):
         signature = inspect.signature(type(module).forward)
 
         def count(_module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-            if in_backward() or not self._trainer.training:
+            if in_backward() or not module.training:
                 return  # activation checkpointing recomputing the forward, or validation
             index = list(signature.bind(module, *args, **kwargs).arguments.values())[2]
             counts = torch.bincount(index.detach().reshape(-1), minlength=self._experts).double()
@@ -96,15 +92,6 @@ class ExpertMonitor(L.Callback):
         metrics |= {"moe/imbalance": imbalance, "moe/dropped": dropped}
         for name, value in metrics.items():
             pl_module.log(name, value, on_step=True, rank_zero_only=True)
-
-    @override
-    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._computed_before_validation = [dispatch.computed for dispatch in self._dispatches]
-
-    @override
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for dispatch, computed in zip(self._dispatches, self._computed_before_validation):
-            dispatch.computed = computed  # the copies validation computed belong to no training step
 
     @override
     def teardown(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:

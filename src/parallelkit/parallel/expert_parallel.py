@@ -50,7 +50,8 @@ class ExpertDispatch:
 
     Installed as the module's `forward` (and as its `expert_dispatch`); the module's class forward computes the
     experts this rank holds, with `num_experts` set to their count. `computed` counts the token copies this rank's
-    experts computed in forward passes (an activation-checkpoint recompute not counted), for the monitors.
+    experts computed in training forward passes (not in eval mode: the sanity check and validation; not an
+    activation-checkpoint recompute), for the monitors.
     """
 
     def __init__(self, module: nn.Module, ep_mesh: DeviceMesh) -> None:
@@ -97,7 +98,7 @@ class ExpertDispatch:
         received = _all_to_all(hidden.index_select(0, token), receive, send, self.group)
         experts = torch.arange(self.local_experts, device=flat.device).repeat(self.ep)
         local = experts.repeat_interleave(received_counts)
-        self.computed += 0 if in_backward() else local.numel()
+        self.computed += local.numel() if module.training and not in_backward() else 0
         by_expert = local.argsort(stable=True)
         computed = self.run_local(module, received.index_select(0, by_expert), local.index_select(0, by_expert))
         back = computed.index_select(0, by_expert.argsort())
