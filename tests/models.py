@@ -29,6 +29,23 @@ TINY_LLAMA = {
 }
 """A Hugging Face Llama config's sizes (4 heads, 2 key/value heads, untied), as configs/hf_llama.yaml's model."""
 
+EOS = "<|endoftext|>"
+
+
+def save_tokenizer(directory: Path, corpus: Path, vocab_size: int = 256) -> None:
+    """A user's own tokenizer beside their model, as `tokenizer.save_pretrained(directory)` writes it: a BPE of at
+    most `vocab_size` tokens learnt from `corpus`, its end of text `EOS` (named in tokenizer_config.json)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.BPE(unk_token="<unk>"))
+    tokenizer.pre_tokenizer, tokenizer.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, limit_alphabet=100, special_tokens=[EOS, "<unk>"], show_progress=False
+    )
+    tokenizer.train([str(corpus)], trainer)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, eos_token=EOS, unk_token="<unk>").save_pretrained(directory)
+
 
 class ResidualMLP(nn.Module):
     def __init__(self, width: int) -> None:
@@ -405,6 +422,19 @@ class StopAfter(L.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
         if trainer.global_step >= self.step:
             trainer.should_stop = True  # checkpoint callbacks run after this one: step `step` is still saved
+
+
+class FirstBatch(L.Callback):
+    """Writes out_dir/rank<r>.json: the input ids of this rank's first training batch (a run's cwd when relative)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step == 0 and batch_idx == 0:
+            os.makedirs(self.out_dir, exist_ok=True)
+            with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+                json.dump(batch[0].tolist(), f)
 
 
 class PredictionLosses(BasePredictionWriter):

@@ -280,6 +280,27 @@ def callback(class_path: str, **init_args: object) -> str:
     return "--trainer.callbacks+=" + json.dumps({"class_path": class_path, "init_args": init_args})
 
 
+FIRST_BATCH = callback("models.FirstBatch", out_dir="first_batch")
+"""Rank 0's first training batch written under the run's cwd (a `reference` run's `log`): `assert_own_tokenizer`."""
+
+TOKENIZED = "--data=parallelkit.data.TokenizedDataModule"
+"""The README's fine-tuning commands' data: text tokenized by the model's own tokenizer (its pretrained directory's)."""
+
+
+def assert_own_tokenizer(log: Path, model_dir: Path, corpus: Path, seq_len: int) -> None:
+    """Each sample of the first batch a run under `log` trained on (`FIRST_BATCH`) is a window of the tokenizer in
+    `model_dir` encoding `corpus` (the one document) followed by its EOS: the model was fed its own ids."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    eos = json.loads((model_dir / "tokenizer_config.json").read_text())["eos_token"]
+    ids = [*tokenizer.encode(corpus.read_text()).ids, tokenizer.token_to_id(eos)]
+    windows = {tuple(ids[start : start + seq_len]) for start in range(0, len(ids) - seq_len, seq_len)}
+    batch = json.loads((log / "first_batch" / "rank0.json").read_text())
+    assert batch and all(len(sample) == seq_len and tuple(sample) in windows for sample in batch), batch
+    assert list(corpus.read_bytes()[:seq_len]) != ids[:seq_len]  # the tokenizer is not bytes
+
+
 def assert_same_losses(expected: dict[int, float], actual: dict[int, float], rtol: float = 1e-5) -> None:
     assert sorted(expected) == sorted(actual), (sorted(expected), sorted(actual))
     for step, value in expected.items():

@@ -55,6 +55,9 @@ def corpus(tmp_path):
     return root
 
 
+PY = "*.py"  # the corpus's two .py files, not its notes.txt
+
+
 # GlobalBatchSampler
 
 
@@ -131,7 +134,7 @@ def test_batch_size_below_one_is_refused():
 
 
 def test_text_samples_are_next_byte_pairs_over_the_sorted_matching_files(corpus, tmp_path):
-    dm = TextDataModule(paths=str(corpus), seq_len=16, batch_size=4, cache_dir=str(tmp_path / "cache"))
+    dm = TextDataModule(paths=str(corpus), pattern=PY, seq_len=16, batch_size=4, cache_dir=str(tmp_path / "cache"))
     dm.setup("fit")
     stream = (corpus / "a.py").read_bytes() + (corpus / "pkg" / "b.py").read_bytes()
     assert dm.num_bytes == len(stream)
@@ -142,7 +145,7 @@ def test_text_samples_are_next_byte_pairs_over_the_sorted_matching_files(corpus,
 
 def test_text_split_is_contiguous_and_deterministic(corpus, tmp_path):
     def splits():
-        dm = TextDataModule(paths=[str(corpus)], seq_len=16, val_fraction=0.25, cache_dir=str(tmp_path))
+        dm = TextDataModule(paths=[str(corpus)], pattern=PY, seq_len=16, val_fraction=0.25, cache_dir=str(tmp_path))
         dm.setup("fit")
         return np.asarray(dm.train_set.tokens), np.asarray(dm.val_set.tokens)
 
@@ -151,6 +154,14 @@ def test_text_split_is_contiguous_and_deterministic(corpus, tmp_path):
     assert np.array_equal(train, train_again) and np.array_equal(val, val_again)
     stream = (corpus / "a.py").read_bytes() + (corpus / "pkg" / "b.py").read_bytes()
     assert bytes(train) + bytes(val) == stream
+
+
+def test_a_directory_of_text_is_read_whole_by_default(corpus, tmp_path):
+    """A user's directory of text files, whatever their names: every file, in sorted path order."""
+    dm = TextDataModule(paths=str(corpus), seq_len=16, cache_dir=str(tmp_path))
+    dm.setup("fit")
+    stream = b"".join((corpus / name).read_bytes() for name in ("a.py", "notes.txt", "pkg/b.py"))
+    assert bytes(dm.train_set.tokens) + bytes(dm.val_set.tokens) == stream
 
 
 def test_text_second_setup_reuses_the_cached_corpus(corpus, tmp_path, monkeypatch):

@@ -158,6 +158,19 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         fit_pretrained(config={"pad_token_id": 999}),
         ["llama/config.json has pad_token_id=999, outside its vocabulary of vocab_size=256", "a pad_token_id below"],
     ),
+    "byte-level data for a pretrained model with its own tokenizer": (
+        fit_pretrained(tokenizer="{}"),  # refused for being there: nothing reads it
+        [
+            "data is TextDataModule, which feeds bytes (ids 0-255), but the model HFCausalLM comes with its own "
+            "tokenizer",
+            "llama, 256 tokens",
+            "Fix: --data=parallelkit.data.TokenizedDataModule",
+        ],
+    ),
+    "byte-level data for a model whose vocabulary is not bytes": (
+        fit_config("single.yaml", "--model.init_args.vocab_size=320"),
+        ["the model GPT has vocab_size 320, not the 256 byte values", "--data.init_args.tokenizer=TOKENIZER_DIR"],
+    ),
     "inline config with pad_token_id outside the vocabulary": (
         fit_config(
             "hf_llama.yaml", '--model.init_args.config={"model_type": "llama", "vocab_size": 256, "pad_token_id": 300}'

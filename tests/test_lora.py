@@ -6,9 +6,12 @@ import json
 
 import pytest
 import torch
-from models import TINY_LLAMA
+from models import TINY_LLAMA, save_tokenizer
 from support import (
+    FIRST_BATCH,
+    TOKENIZED,
     assert_ok,
+    assert_own_tokenizer,
     assert_same_losses,
     callback,
     common,
@@ -33,11 +36,13 @@ LORA = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "targets": ["q_proj", "k_proj"
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-    """The base model: a small Llama as `save_pretrained` writes it, from another seed than the runs'."""
+def pretrained(tmp_path_factory, corpus):
+    """The base model: a small Llama as `save_pretrained` writes it, from another seed than the runs', and its own
+    tokenizer beside it."""
     directory = tmp_path_factory.mktemp("base")
     torch.manual_seed(7)
     AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY_LLAMA)).save_pretrained(directory)
+    save_tokenizer(directory, corpus)
     return directory
 
 
@@ -47,7 +52,8 @@ def state_dir(tmp_path_factory):
 
 
 def from_base(pretrained, *overrides: str) -> tuple[str, ...]:
-    return ("--model.init_args.config=null", f"--model.init_args.pretrained={pretrained}", *overrides)
+    """The README's command for a user's own model: its directory, its tokenizer on the text."""
+    return ("--model.init_args.config=null", f"--model.init_args.pretrained={pretrained}", TOKENIZED, *overrides)
 
 
 def mesh(shape: str, devices: int, batch_size: int, *extra: str) -> tuple[str, ...]:
@@ -79,9 +85,16 @@ def lora_run(reference, pretrained, state_dir, name: str):
     """A 20-step LoRA run of configs/lora.yaml from the pretrained base under `name`'s layout (shared by the tests
     that read it); under tp2 each rank writes its bytes of parameters, gradients and optimizer state."""
     if name == "2x2":
-        return reference(CONFIG, *from_base(pretrained))  # configs/lora.yaml's own layout; checkpoints at step 10
+        return reference(CONFIG, *from_base(pretrained, FIRST_BATCH))  # configs/lora.yaml's layout; ckpt at step 10
     extra = (state_bytes(state_dir / "lora_tp2"),) if name == "tp2" else ()
     return reference(CONFIG, *from_base(pretrained, *LAYOUTS[name], *extra))
+
+
+def test_the_readme_command_feeds_a_users_model_its_own_tokenizer(corpus, reference, pretrained):
+    """README's LoRA command on a user's `save_pretrained` directory (tokenizer included): the first batch is that
+    tokenizer's encoding of the text (the byte-level TextDataModule of configs/lora.yaml is refused for such a model
+    before launch: test_errors.py)."""
+    assert_own_tokenizer(lora_run(reference, pretrained, None, "2x2").log, pretrained, corpus, seq_len=64)
 
 
 @pytest.mark.parametrize("name", ["2x2", *LAYOUTS])

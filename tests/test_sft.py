@@ -17,7 +17,7 @@ from support import REPO, assert_ok, assert_same_losses, checkpoint_every, fit, 
 
 from parallelkit.contract import IGNORE_INDEX
 from parallelkit.data import SFTDataModule
-from parallelkit.data.chat import builtin_conversations, builtin_tokenizer, load_tokenizer
+from parallelkit.data.chat import ChatEncoder, builtin_conversations, builtin_tokenizer, load_tokenizer
 from parallelkit.data.packing import StepTargetSampler
 from parallelkit.errors import DataError
 from parallelkit.models import GPT, HFCausalLM
@@ -79,11 +79,41 @@ def test_a_two_turn_conversation_renders_as_transformers_does_and_only_assistant
     assert positions[: len(expected)].tolist() == list(range(len(expected)))
     # The targets, read back: each assistant turn's text and the template's end of turn, nothing else.
     targets = labels[labels != IGNORE_INDEX]
-    end = "<|im_end|>\n" if template is None else "<|eot_id|>"
+    end = "<|im_end|>" if template is None else "<|eot_id|>"  # the separator after ChatML's end of turn is not one
     assert reference.decode(targets) == f"2 + 3 = 5.{end}tac{end}"
     # Each target is the next token of the conversation.
     shown = (labels != IGNORE_INDEX).nonzero().flatten()
     assert torch.equal(labels[shown], ids[shown + 1])
+
+
+MARKED_CHATML = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m['role'] == 'assistant' %}{% generation %}"
+    "{{ m['content'] }}<|im_end|>{% endgeneration %}{% else %}{{ m['content'] }}<|im_end|>{% endif %}{{ '\\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+"""The built-in ChatML template with its assistant tokens marked as TRL's templates mark Qwen's."""
+
+
+@pytest.mark.parametrize("template", [MARKED_CHATML, None], ids=["generation_blocks", "unmarked_chatml"])
+def test_assistant_targets_are_transformers_assistant_tokens_mask(tokenizer_dir, template):
+    """transformers' `return_assistant_tokens_mask` on the marked template is the reference: the targets of a template
+    with `{% generation %}` blocks are its mask, and those of the same layout unmarked (the built-in template) follow
+    the same convention (each assistant turn's content and its `<|im_end|>`, not the newline after it)."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    encoder = ChatEncoder(tokenizer, template, "assistant", str(tokenizer_dir))
+    conversations = [TWO_TURNS, TWO_TURNS[1:3], [*TWO_TURNS[:2], {"role": "assistant", "content": "  five \n"}]]
+    for messages in conversations:
+        reference = tokenizer.apply_chat_template(
+            messages, chat_template=MARKED_CHATML, return_dict=True, return_assistant_tokens_mask=True
+        )
+        ids, targets = encoder.encode({"messages": messages}, "a record")
+        assert ids.tolist() == reference["input_ids"]
+        assert targets.astype(int).tolist() == reference["assistant_masks"], messages
+    # A prompt/completion pair of turns: the prompt's assistant turn is not a target.
+    pair = {"prompt": TWO_TURNS[:3], "completion": TWO_TURNS[3:]}
+    ids, targets = encoder.encode(pair, "a record")
+    assert tokenizer.decode(ids[targets]) == "tac<|im_end|>"
 
 
 def test_train_on_all_and_prompt_completion_pairs(tmp_path, tokenizer_dir):

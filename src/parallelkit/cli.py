@@ -165,12 +165,16 @@ class ParallelkitCLI(LightningCLI):
             check_readable(Path(ckpt_path))  # names Lightning resolves itself, URLs and registry:<name> are left to it
 
     def _before_launch(self) -> None:
-        """Refuse, in this one process before any worker starts: a model the strategy's layout cannot split, and a
-        sharded checkpoint under a strategy that cannot load it (instead of failing in torch.load)."""
+        """Refuse, in this one process before any worker starts: a model the strategy's layout cannot split, data
+        whose ids cannot be the model's (the datamodule's `check_model`), and a sharded checkpoint under a strategy
+        that cannot load it (instead of failing in torch.load)."""
         from parallelkit.strategies import ParallelkitStrategy
 
         if isinstance(self.trainer.strategy, ParallelkitStrategy):
             self.trainer.strategy.check_run(self.model, self.datamodule, self.trainer.accumulate_grad_batches)
+        check_data = getattr(self.datamodule, "check_model", None)
+        if callable(check_data):
+            check_data(self.model)
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         sharded = isinstance(ckpt_path, str) and (Path(ckpt_path) / ".metadata").is_file()
         if sharded and not isinstance(self.trainer.strategy, ParallelkitStrategy):

@@ -3,9 +3,11 @@
 Records come from JSONL files, Parquet and Arrow files, or a Hugging Face `datasets` directory (`save_to_disk`); a
 record is a conversation (`messages`: `role`/`content` turns) or a `prompt`/`completion` pair (strings, or lists of
 turns). A conversation is rendered by the tokenizer's chat template, or one the config gives, through transformers'
-`apply_chat_template` (Jinja in transformers' sandbox: a template cannot run code). Its targets are the characters
-each assistant turn adds to the rendering (the template's own markers around the turn included, e.g. `<|im_end|>`),
-found by rendering the conversation up to the turn and through it; a token is a target when it begins inside one.
+`apply_chat_template` (Jinja in transformers' sandbox: a template cannot run code). Its targets follow the reference
+libraries: a template's `{% generation %}` blocks where it has them (transformers' `return_assistant_tokens_mask`,
+TRL's assistant-only loss); otherwise each assistant turn's content and its end-of-turn token (e.g. `<|im_end|>`),
+not the separator the template writes after it (the turn's span is found by rendering the conversation up to the
+turn and through it, less the whitespace after its last special token); a token is a target when it begins inside.
 
 transformers, tokenizers and `datasets` (for Parquet, Arrow and `save_to_disk` data) are optional extras, imported
 when used; nothing is downloaded.
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,9 @@ ROLES = ("system", "user", "assistant", "tool")
 
 TABULAR = (".parquet", ".arrow")
 """Suffixes of files read as tables of records (through `datasets`); a `save_to_disk` directory is read whole."""
+
+GENERATION_BLOCK = re.compile(r"\{%-?\s*generation\s*-?%\}")
+"""A `{% generation %}` block in a chat template: the assistant tokens as the template itself marks them."""
 
 BUILTIN_TEMPLATE = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
@@ -142,6 +148,7 @@ class ChatEncoder:
         self.template = template
         self.train_on = train_on
         self.source = source
+        self._special = [token.content for token in tokenizer.added_tokens_decoder.values() if token.special]
 
     @property
     def eos_id(self) -> int | None:
@@ -181,10 +188,24 @@ class ChatEncoder:
             messages, chat_template=self.template, tokenize=False, add_generation_prompt=generation_prompt
         )
 
+    def _marked(self) -> bool:
+        """Whether the chat template in use marks its assistant tokens with `{% generation %}` blocks."""
+        template = self.template if self.template is not None else self.tokenizer.chat_template
+        return isinstance(template, str) and GENERATION_BLOCK.search(template) is not None
+
+    def _turn_end(self, text: str, begin: int, end: int) -> int:
+        """The end of an assistant turn's targets in `text[begin:end]` (what rendering the turn added): after its
+        last special token (its end of turn) when only whitespace follows it (the template's separator)."""
+        span = text[begin:end]
+        last = max((span.rfind(token) + len(token) for token in self._special if token in span), default=-1)
+        return begin + last if last > 0 and not span[last:].strip() else end
+
     def _conversation(
         self, messages: list[dict[str, str]], where: str, first_target: int = 0
     ) -> tuple[np.ndarray, np.ndarray]:
         text = self._render(messages, where)
+        if self.train_on == "assistant" and self._marked():
+            return self._marked_conversation(messages, text, where, first_target)
         spans = []
         if self.train_on == "assistant":
             for index, turn in enumerate(messages):
@@ -199,7 +220,7 @@ class ChatEncoder:
                         "that drop earlier turns' reasoning do), so the assistant's tokens cannot be told apart. Fix: "
                         "set data.chat_template to a template that renders each turn once, or data.train_on=all."
                     )
-                spans.append((len(before), len(through)))
+                spans.append((len(before), self._turn_end(text, len(before), len(through))))
         encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         ids = np.asarray(encoding["input_ids"], dtype=np.int64)
         if self.train_on == "all":
@@ -208,6 +229,27 @@ class ChatEncoder:
         targets = np.zeros(len(ids), dtype=bool)
         for begin, end in spans:
             targets |= (starts >= begin) & (starts < end)
+        return ids, targets
+
+    def _marked_conversation(
+        self, messages: list[dict[str, str]], text: str, where: str, first_target: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Targets as the template's `{% generation %}` blocks mark them (transformers' assistant mask), less those of
+        a prompt's turns (the turns before `first_target`)."""
+        rendered = self.tokenizer.apply_chat_template(
+            messages,
+            chat_template=self.template,
+            tokenize=True,
+            return_dict=True,
+            return_assistant_tokens_mask=True,
+        )
+        ids = np.asarray(rendered["input_ids"], dtype=np.int64)
+        targets = np.asarray(rendered["assistant_masks"], dtype=bool)
+        if first_target:
+            prompt_end = len(self._render(messages[:first_target], where, generation_prompt=True))
+            encoding = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            starts = np.asarray([start for start, _ in encoding["offset_mapping"]], dtype=np.int64)
+            targets &= starts >= prompt_end
         return ids, targets
 
     def _pair(self, prompt: str, completion: str) -> tuple[np.ndarray, np.ndarray]:

@@ -39,7 +39,7 @@ from parallelkit.data.sampler import GlobalBatchSampler
 from parallelkit.data.stream import TokenStreamDataModule, cache_root, find_files
 from parallelkit.errors import DataError
 
-CACHE_FORMAT = 1
+CACHE_FORMAT = 2
 """Part of every cache name: raised when what the cache holds, or how records become tokens, changes."""
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json")

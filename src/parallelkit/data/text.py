@@ -8,12 +8,17 @@ import os
 import sysconfig
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from typing_extensions import override
 
 from parallelkit.data.stream import TokenStreamDataModule, TokenWindows, cache_root, find_files
 from parallelkit.errors import DataError
+
+
+BYTE_VOCAB = 256
+"""The ids `TextDataModule` feeds: the 256 byte values."""
 
 
 def default_corpus_files() -> list[Path]:
@@ -30,10 +35,13 @@ class TextDataModule(TokenStreamDataModule):
     bytes and its next-byte targets. The training order is shuffled globally with ``seed`` and each
     data-parallel rank reads its slice of every global batch, so any layout sees the same batches.
 
+    Bytes are the ids of a model with a vocabulary of 256 and no tokenizer of its own (`check_model`); a model
+    that has one (a pretrained directory holding a tokenizer) is fed by ``TokenizedDataModule``.
+
     Args:
         paths: files, directories (searched recursively for ``pattern``) or glob patterns; a string or
             a list. ``None`` uses the Python standard library's top-level ``*.py`` sources.
-        pattern: file-name pattern for files inside directories given in ``paths``.
+        pattern: file-name pattern for files inside directories given in ``paths`` (default: every file).
         seq_len: bytes per sample (the model's context length).
         batch_size: samples per process per step (the micro-batch); the global batch is
             ``batch_size x data-parallel size x accumulate_grad_batches``.
@@ -47,7 +55,7 @@ class TextDataModule(TokenStreamDataModule):
     def __init__(
         self,
         paths: str | list[str] | None = None,
-        pattern: str = "*.py",
+        pattern: str = "*",
         seq_len: int = 128,
         batch_size: int = 8,
         val_fraction: float = 0.05,
@@ -88,8 +96,33 @@ class TextDataModule(TokenStreamDataModule):
         """Build the cached byte stream once per node (Lightning calls this on local rank 0 only)."""
         self._build_corpus()
 
+    def check_model(self, model: Any) -> None:
+        """Refuse a model whose ids are not bytes: one with a tokenizer of its own (`tokenizer_directory`, as
+        `HFCausalLM(pretrained=DIR)` has when DIR holds one), or a vocabulary other than the 256 byte values. The CLI
+        calls it before launch; `setup` calls it again (the Python API)."""
+        name = type(model).__name__
+        vocab_size = getattr(model, "vocab_size", None)
+        own = getattr(model, "tokenizer_directory", None)
+        if own is not None:
+            raise DataError(
+                f"data is TextDataModule, which feeds bytes (ids 0-255), but the model {name} comes with its own "
+                f"tokenizer ({own}, {vocab_size} tokens): it would train on ids that mean other tokens to it. Fix: "
+                f"--data=parallelkit.data.TokenizedDataModule --data.init_args.paths=YOUR_TEXT (it tokenizes with "
+                f"the model's tokenizer)."
+            )
+        if isinstance(vocab_size, int) and not isinstance(vocab_size, bool) and vocab_size != BYTE_VOCAB:
+            raise DataError(
+                f"data is TextDataModule, which feeds bytes (ids 0-255), but the model {name} has vocab_size "
+                f"{vocab_size}, not the {BYTE_VOCAB} byte values. Fix: feed it its own tokenizer's ids "
+                f"(--data=parallelkit.data.TokenizedDataModule --data.init_args.tokenizer=TOKENIZER_DIR "
+                f"--data.init_args.paths=YOUR_TEXT), or build the model with vocab_size {BYTE_VOCAB}."
+            )
+
     @override
     def setup(self, stage: str | None = None) -> None:
+        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        if model is not None:
+            self.check_model(model)
         path = self._build_corpus()
         self.num_bytes = path.stat().st_size
         if self.num_bytes == 0:
