@@ -437,6 +437,26 @@ class FirstBatch(L.Callback):
                 json.dump(batch[0].tolist(), f)
 
 
+class NF4Shards(L.Callback):
+    """Writes out_dir/rank<r>.pt as training starts: the inner tensors of this rank's shard of every NF4 weight (its
+    codes, per-block scales, scaler factors and mean), by parameter name."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        from parallelkit.quantize import is_nf4
+
+        shards = {}
+        for name, param in pl_module.named_parameters():
+            if is_nf4(param):
+                local = param.to_local() if isinstance(param, DTensor) else param
+                inner = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
+                shards[name] = {key: getattr(local, key).clone() for key in inner}
+        os.makedirs(self.out_dir, exist_ok=True)
+        torch.save(shards, os.path.join(self.out_dir, f"rank{trainer.global_rank}.pt"))
+
+
 class PredictionLosses(BasePredictionWriter):
     """Writes out_dir/rank<r>.json: the shape of each batch's predicted logits on this rank and their cross-entropy
     against the batch's targets (a prediction of the right model gives the validation loss)."""

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from models import TINY_LLAMA, save_tokenizer
-from support import FIRST_BATCH, TOKENIZED, assert_own_tokenizer, assert_same_losses
+from support import FIRST_BATCH, TOKENIZED, assert_own_tokenizer, assert_same_losses, callback
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from parallelkit.checkpoint import consolidate
@@ -17,7 +17,7 @@ from parallelkit.lora import quantized_names
 from parallelkit.models import HFCausalLM
 from parallelkit.models.hf_io import export_hf
 from parallelkit.parallel import resolve
-from parallelkit.quantize import BLOCK, nf4_bytes, scaler_block_size
+from parallelkit.quantize import BLOCK, SCALER_BLOCK, nf4_bytes, quantization_scaler_block, scaler_block_size
 from parallelkit.strategies import FSDPTPStrategy
 
 CONFIG = "qlora.yaml"
@@ -28,7 +28,8 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down
 QLORA = {"rank": 8, "alpha": 16.0, "targets": TARGETS, "quantize_base": "nf4"}
 ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")
 META = "--trainer.strategy.meta_init=true"  # each base weight read from the directory and quantized alone
-README = (META, FIRST_BATCH)  # the README's QLoRA command on a user's model (from_base), rank 0's first batch kept
+NF4_SHARDS = callback("models.NF4Shards", out_dir="nf4")  # each rank's shards of the NF4 weights, under the run's log
+README = (META, FIRST_BATCH, NF4_SHARDS)  # the README's QLoRA command on a user's model (from_base), observed
 PIPELINE = (
     "--trainer.strategy=parallelkit.PipelineStrategy",
     '--trainer.strategy.mesh_shape=[[2], ["pp"]]',
@@ -72,13 +73,13 @@ def test_the_readme_command_feeds_a_users_model_its_own_tokenizer(reference, pre
 
 
 def test_qlora_is_close_to_lora_on_the_unquantized_base_and_not_equal(reference, pretrained):
-    """The same run with the base in fp32: losses close over 20 steps (measured: at most 0.27% apart, the median step
-    0.053%) and not equal (the base really is quantized: no step closer than 7.7e-6, the median far from it)."""
+    """The same run with the base in fp32: losses close over 20 steps (measured: at most 0.27% apart, at step 8, the
+    median step 0.053%) and not equal (the base really is quantized: the median step 5e-4 apart)."""
     qlora = reference(CONFIG, *from_base(pretrained, *ONE_PROCESS)).losses()
     lora = reference(CONFIG, *from_base(pretrained, *ONE_PROCESS, "--model.init_args.lora.quantize_base=null"))
     gaps = [abs(qlora[step] - loss) / loss for step, loss in lora.losses().items()]
     median = sorted(gaps)[len(gaps) // 2]
-    assert max(gaps) < 3e-2 and 1e-4 < median < 5e-3 and min(gaps) > 1e-6
+    assert max(gaps) < 3e-2 and 1e-4 < median < 5e-3
 
 
 def test_exports_load_in_peft_and_transformers_within_the_quantization_error(tmp_path, reference, pretrained):
@@ -108,10 +109,29 @@ def test_exports_load_in_peft_and_transformers_within_the_quantization_error(tmp
     assert 1e-4 < error < 0.5, error  # the base's quantization error (README: the merged export's error)
 
 
-def test_the_base_is_half_a_byte_per_parameter_plus_scales_and_the_same_in_every_build(pretrained):
+def assert_torchaos_nf4(stored: dict, weight: torch.Tensor) -> None:
+    """`stored` (an NF4 weight's codes, per-block scales, scaler factors and mean) holds torchao's `to_nf4(weight, 64,
+    256)`: the same codes, scales and mean, each 256-block scaler factor repeated over the stored split of its block
+    (for a weight whose blocks 256 does not divide, torchao's with the largest scaler block that does)."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+
+    size = quantization_scaler_block(weight.numel())
+    reference = to_nf4(weight.detach(), BLOCK, size)
+    for key in ("quantized_data", "quantized_scalers", "scaler_mean"):
+        assert torch.equal(stored[key], getattr(reference, key)), key
+    split = size // scaler_block_size(weight.numel())
+    assert torch.equal(stored["quantization_factor"], reference.quantization_factor.repeat_interleave(split))
+
+
+def test_the_base_is_torchaos_standard_nf4_half_a_byte_per_parameter_plus_scales(pretrained):
+    """Every adapted layer's base is torchao's `to_nf4(w, 64, 256)` of the pretrained weight (the standard QLoRA
+    base, as bitsandbytes' and torchao's defaults make it; the Llama's k/v projections, 128 blocks, take 128), its
+    scaler blocks stored in a count 8 divides (2, 4 or 8 equal shards): dequantized, the weight torchao's gives."""
     model = HFCausalLM(pretrained=str(pretrained), lora=QLORA)
+    original = AutoModelForCausalLM.from_pretrained(pretrained)
     names = quantized_names(model)
     assert len(names) == LLAMA["num_hidden_layers"] * len(TARGETS)
+    sizes = {}
     for name in names:
         weight = model.get_parameter(name)
         stored = sum(
@@ -121,13 +141,31 @@ def test_the_base_is_half_a_byte_per_parameter_plus_scales_and_the_same_in_every
         assert stored == nf4_bytes(weight.numel())
         assert stored <= 1.1 * (weight.numel() / 2 + weight.numel() / BLOCK)  # codes + a byte-sized scale per block
         assert (weight.numel() // BLOCK // scaler_block_size(weight.numel())) % 8 == 0  # 2, 4 or 8 equal shards
-    # The NF4 codes are those of the pretrained weight quantized whole (what every layout stores).
-    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+        base = original.get_parameter(name.removeprefix("model."))
+        inner = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
+        assert_torchaos_nf4({key: getattr(weight, key) for key in inner}, base)
+        sizes[name.split(".")[-2]] = quantization_scaler_block(weight.numel())
+    assert sizes == {**dict.fromkeys(TARGETS, SCALER_BLOCK), "k_proj": 128, "v_proj": 128}
 
-    name = "model.model.layers.0.self_attn.k_proj.weight"
-    original = AutoModelForCausalLM.from_pretrained(pretrained).get_parameter(name.removeprefix("model."))
-    again = to_nf4(original.detach(), BLOCK, scaler_block_size(original.numel()))
-    assert torch.equal(model.get_parameter(name).quantized_data, again.quantized_data)
+
+SHARDED = ("quantized_data", "quantized_scalers", "quantization_factor")
+"""An NF4Tensor's inner tensors FSDP2 shards by rows (its scaler mean is one value every shard holds)."""
+
+
+def test_each_fsdp_ranks_nf4_shards_gather_into_torchaos_standard_nf4(reference, pretrained):
+    """On [[4], ["fsdp"]] (the README's QLoRA command), each rank holds a quarter of every NF4 weight's codes, scales
+    and factors; gathered in rank order they are torchao's `to_nf4(w, 64, 256)` of the pretrained weight."""
+    log = reference(CONFIG, *from_base(pretrained, *README)).log
+    ranks = [torch.load(log / "nf4" / f"rank{rank}.pt") for rank in range(4)]
+    original = AutoModelForCausalLM.from_pretrained(pretrained)
+    assert sorted(ranks[0]) == sorted(quantized_names(HFCausalLM(pretrained=str(pretrained), lora=QLORA)))
+    for name, shard in ranks[0].items():
+        parts = [rank[name] for rank in ranks]
+        for key in SHARDED:
+            assert len({part[key].numel() for part in parts}) == 1, (name, key)  # equal shards
+        gathered = {key: torch.cat([part[key] for part in parts]) for key in SHARDED}
+        gathered["scaler_mean"] = shard["scaler_mean"]  # a scalar every shard holds whole
+        assert_torchaos_nf4(gathered, original.get_parameter(name.removeprefix("model.")))
 
 
 def test_tensor_parallelism_and_a_meta_base_without_values_and_a_missing_torchao_are_refused_with_the_fix(
