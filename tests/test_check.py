@@ -132,6 +132,16 @@ def test_dry_run_applies_the_70b_presets_3d_plan_for_a_64_rank_cluster_in_one_pr
     assert planned == pytest.approx(max(r["state"] for r in out["ranks"]), rel=0.1)
 
 
+def test_a_presets_dry_run_plans_an_auto_mesh_for_the_clusters_device_memory(tmp_path):
+    """Llama-3.1-8B's preset with fsdp_tp by its registered name and `mesh_shape: auto`, for 8 devices of 80 GB
+    (`--device-memory`; this machine's memory over 8 fits no layout: test_errors.py): the planner's mesh is built."""
+    preset = REPO / "configs" / "models" / "llama3_1_8b.yaml"
+    auto = ["--trainer.strategy=fsdp_tp", "--trainer.strategy.mesh_shape=auto"]
+    out = dry_run(tmp_path, preset, *auto, "--devices-per-node", "8", "--device-memory", "80GB")
+    assert out["mesh"] == '[[8, 1], ["fsdp", "tp"]]' and out["world_size"] == 8
+    assert out["ranks"][0]["params"] == pytest.approx(8_030_261_248 * 4 / 8, rel=0.01)  # fp32 masters, an eighth
+
+
 def test_the_verdict_names_a_tp_group_across_hosts_an_inner_axis_slower_than_an_outer_and_mixed_versions():
     """`judge` on made-up reports and timings: what a real cluster would show, without one."""
     spec = MeshSpec.parse('[[2, 2], ["fsdp", "tp"]]')

@@ -98,6 +98,19 @@ def fit_config(config: str, *overrides: str) -> Callable[[Path], subprocess.Comp
 
 
 HYBRID = str(REPO / "configs" / "hybrid.yaml")
+PRESET_70B = str(REPO / "configs" / "models" / "llama3_70b.yaml")  # fits no 8 processes of any machine's memory
+
+
+def misspelt(config: str, key: str, typo: str) -> Callable[[Path], subprocess.CompletedProcess]:
+    """`fit` of configs/<config> with `key:` spelt `typo:` in the YAML."""
+
+    def run(tmp: Path) -> subprocess.CompletedProcess:
+        path = tmp / "run.yaml"
+        path.write_text((REPO / "configs" / config).read_text().replace(f" {key}:", f" {typo}:", 1))
+        return parallelkit("fit", "--config", str(path), cwd=tmp, timeout=120)
+
+    return run
+
 
 BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], list[str]]] = {
     "unknown strategy name": (
@@ -216,6 +229,52 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
     "fit with a config file that does not exist": (
         lambda tmp: parallelkit("fit", "--config", "configs/hybird.yaml", cwd=tmp, timeout=120),
         ["--config configs/hybird.yaml cannot be read: No such file or directory", "Fix: the path of a YAML file"],
+    ),
+    "a strategy option misspelt in the config": (
+        misspelt("hybrid.yaml", "mesh_shape", "mesh_shpe"),
+        [
+            "trainer.strategy.init_args.mesh_shpe is not an option of parallelkit.FSDPTPStrategy (it takes mesh_shape,",
+            "Did you mean 'mesh_shape'?",
+            "Fix: rename the key",
+        ],
+    ),
+    "a trainer option misspelt in the config": (
+        misspelt("hybrid.yaml", "max_steps", "max_step"),
+        ["trainer.max_step is not an option parallelkit's fit knows. Did you mean 'trainer.max_steps'?"],
+    ),
+    "a model option misspelt on the command line": (
+        fit_config("single.yaml", "--model.init_args.n_heads=4"),
+        ["model.init_args.n_heads is not an option of parallelkit.models.GPT", "Did you mean 'n_head'?"],
+    ),
+    "options of a strategy given by its registered name": (  # the name took its class's options: the mesh is checked
+        fit_config("single.yaml", "--trainer.strategy=fsdp_tp", "--trainer.strategy.mesh_shape=[[1, 3], [fsdp, tp]]"),
+        ["fsdp=1 x tp=3 = 3 processes", "world size is 1"],
+    ),
+    "a dry run of a model preset, which names no strategy": (
+        lambda tmp: parallelkit("check", "--dry-run", "--config", PRESET_70B, "--devices-per-node", "8", cwd=tmp),
+        [
+            "this config's strategy is DDPStrategy, which shards nothing (a model preset names no strategy)",
+            "Fix: name one, e.g. --trainer.strategy=fsdp_tp --trainer.strategy.mesh_shape=auto --device-memory 80GB",
+        ],
+    ),
+    "a dry run's auto mesh planned against this machine's memory": (
+        lambda tmp: parallelkit(
+            "check",
+            "--dry-run",
+            "--config",
+            PRESET_70B,
+            "--devices-per-node",
+            "8",
+            "--trainer.strategy=fsdp_tp",
+            "--trainer.strategy.mesh_shape=auto",
+            cwd=tmp,
+        ),
+        [
+            "fits no layout of 1 x 8 processes",
+            "(this machine's memory over 8 processes)",
+            "Or give the mesh yourself:",
+            "For a cluster's devices: parallelkit check --dry-run --device-memory 80GB",
+        ],
     ),
     "YAML syntax error": (
         lambda tmp: parallelkit("fit", "--config", bad_yaml(tmp), cwd=tmp, timeout=120),

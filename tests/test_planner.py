@@ -210,7 +210,8 @@ def test_70b_on_four_nodes_of_eight_80gb_devices_recommends_a_layout_that_fits()
 
 def test_plan_command_prints_every_mesh_and_the_recommendation(tmp_path):
     args = ["plan", "--config", str(REPO / "configs" / "gpt70b.yaml"), "--nodes", "4", "--devices-per-node", "8"]
-    table = parallelkit(*args, "--device-memory", "80GB", cwd=tmp_path)
+    named = ("--trainer.strategy=fsdp_tp", "--trainer.strategy.meta_init=true")  # a registered name takes options
+    table = parallelkit(*args, "--device-memory", "80GB", *named, cwd=tmp_path)
     assert_ok(table)
     assert "recommended: " in table.stdout and "<- recommended" in table.stdout
     for mesh in ('[[32, 1], ["fsdp", "tp"]]', '[[4, 1, 8], ["replicate", "fsdp", "tp"]]', '["pp", "fsdp", "tp"]'):

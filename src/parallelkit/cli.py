@@ -13,8 +13,10 @@ from __future__ import annotations
 import argparse
 import difflib
 import gc
+import json
 import os
 import platform
+import re
 import sys
 import time
 import warnings
@@ -64,7 +66,10 @@ class ParallelkitCLI(LightningCLI):
 
     def __init__(self, args: Sequence[str] | None = None, **kwargs: object) -> None:
         kwargs.setdefault("save_config_kwargs", {"overwrite": True})
-        kwargs.setdefault("parser_kwargs", {"description": "parallelkit: distributed training on Lightning."})
+        # A parse error raises (`parse_arguments` makes it one paragraph) instead of printing the whole usage.
+        kwargs.setdefault(
+            "parser_kwargs", {"description": "parallelkit: distributed training on Lightning.", "exit_on_error": False}
+        )
         super().__init__(
             model_class=None,
             datamodule_class=None,
@@ -156,9 +161,17 @@ class ParallelkitCLI(LightningCLI):
 
     @override
     def parse_arguments(self, parser: Any, args: Any) -> None:
-        """Parse, then refuse a --ckpt_path that is not a checkpoint to resume from, before launch (so in one
-        process, not every rank) and before LightningCLI reads a checkpoint file's hyperparameters."""
-        super().parse_arguments(parser, args)
+        """Parse (a registered strategy name taking its class's options: `strategy_name_as_class`; a mistake as one
+        paragraph: `parse_error`), then refuse a --ckpt_path that is not a checkpoint to resume from, before launch
+        (so in one process, not every rank) and before LightningCLI reads a checkpoint file's hyperparameters."""
+        argv = list(sys.argv[1:] if args is None else args)
+        expanded = strategy_name_as_class(argv)
+        try:
+            with warnings.catch_warnings():  # "args and command line arguments": ours are sys.argv's, expanded
+                warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
+                super().parse_arguments(parser, args if expanded == argv else expanded)
+        except argparse.ArgumentError as err:
+            raise parse_error(str(err), parser, argv) from None
         subcommand = self.config.get("subcommand")
         ckpt_path = self.config[subcommand].get("ckpt_path") if subcommand else None
         if isinstance(ckpt_path, str) and ckpt_path not in ("last", "best", "hpc", "registry") and ":" not in ckpt_path:
@@ -185,6 +198,93 @@ class ParallelkitCLI(LightningCLI):
             )
 
     before_fit = before_validate = before_test = before_predict = _before_launch
+
+
+def strategy_name_as_class(args: list[str]) -> list[str]:
+    """`args` with a registered strategy name that options follow (`--trainer.strategy=fsdp_tp
+    --trainer.strategy.mesh_shape=...`, or a config's `strategy: fsdp_tp` and such options) given as its class and
+    registered arguments: jsonargparse applies options to a class, not to a name."""
+    first = next((i for i, arg in enumerate(args) if arg.startswith("--trainer.strategy.")), None)
+    if first is None:
+        return args
+    at, name = None, None
+    for index, arg in enumerate(args[:first]):
+        if arg.startswith("--trainer.strategy="):
+            at, name = index, arg.split("=", 1)[1]
+        elif arg in ("--config", "-c") or arg.startswith("--config="):
+            path = arg.split("=", 1)[1] if "=" in arg else args[index + 1] if index + 1 < first else None
+            try:
+                strategy = (read_config(path).get("trainer") or {}).get("strategy") if path else None
+            except ParallelkitError:
+                strategy = None  # inline YAML, or a file `main` names
+            if strategy is not None:
+                at, name = None, strategy
+    if not isinstance(name, str) or name.lower() not in StrategyRegistry:
+        return args
+    entry = StrategyRegistry[name.lower()]  # (its `get` builds the strategy)
+    cls = entry["strategy"]
+    try:
+        spec = json.dumps({"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": entry["init_params"]})
+    except TypeError:  # arguments JSON cannot carry: left to the name
+        return args
+    # "auto" first: a class given after another class keeps the arguments the two share; a name starts afresh.
+    named = ["--trainer.strategy=auto", f"--trainer.strategy={spec}"]
+    return [*args[:at], *named, *args[at + 1 :]] if at is not None else [*args[:first], *named, *args[first:]]
+
+
+def parse_error(message: str, parser: Any, args: Sequence[str]) -> ConfigError:
+    """jsonargparse's parse error as one paragraph: the key it does not know, the closest it does and the fix, or
+    its own message on one line."""
+    lines = [line.strip() for line in message.splitlines() if line.strip()]
+    unknown = re.search(r"does not accept options? '([^']+)'", message) or re.search(
+        r"Unrecognized arguments: (--)?([\w.]+)", message
+    )
+    option = re.search(r"Option '([^']+)' is not accepted", message)
+    if option:
+        key = re.search(r'Parser key "([^"]+)"', message)
+        owner = re.search(r"class_path '([^']+)'", message)
+        field = f"{key.group(1)}.init_args.{option.group(1)}" if key else option.group(1)
+        accepted = _init_options(owner.group(1)) if owner else []
+        close = difflib.get_close_matches(option.group(1), accepted, n=1)
+        named = f"{owner.group(1)} " if owner else ""
+        return ConfigError(
+            f"{field} is not an option of {named or 'its class '}(it takes {', '.join(accepted) or 'no options'})."
+            f"{f' Did you mean {close[0]!r}?' if close else ''} Fix: rename the key in the config or on the command "
+            "line."
+        )
+    if unknown:
+        key = unknown.group(unknown.lastindex)
+        section = key.rpartition(".")[0]
+        known = _parser_keys(parser, args)
+        siblings = [k for k in known if k.rpartition(".")[0] == section] or known
+        close = difflib.get_close_matches(key, siblings, n=1)
+        return ConfigError(
+            f"{key} is not an option parallelkit's {args[0] if args else 'fit'} knows."
+            f"{f' Did you mean {close[0]!r}?' if close else ''} Fix: rename the key in the config or on the command "
+            f"line (`parallelkit {args[0] if args else 'fit'} --help` lists the options)."
+        )
+    return ConfigError(f"{' '.join(lines)} Fix: `parallelkit fit --help` lists the options and their types.")
+
+
+def _init_options(class_path: str) -> list[str]:
+    """The keyword arguments `class_path`'s constructor takes (empty when it cannot be imported)."""
+    import importlib
+    import inspect
+
+    module, _, name = class_path.rpartition(".")
+    try:
+        signature = inspect.signature(getattr(importlib.import_module(module), name))
+    except (ImportError, AttributeError, ValueError, TypeError):
+        return []
+    return [p.name for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+
+
+def _parser_keys(parser: Any, args: Sequence[str]) -> list[str]:
+    """The option keys of `parser`'s subcommand in `args` (or of the parser itself)."""
+    subcommands = getattr(parser, "_subcommands_action", None)
+    chosen = subcommands.choices.get(args[0]) if subcommands is not None and args else None
+    target = chosen or parser
+    return [action.dest for action in target._actions if action.dest and not action.dest.startswith("_")]
 
 
 PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
@@ -521,6 +621,10 @@ def check_command(argv: Sequence[str]) -> int:
     parser.add_argument("--nodes", type=int, help="dry run: nodes of the cluster (default: the config's num_nodes)")
     parser.add_argument("--devices-per-node", type=int, help="dry run: devices per node (default: the config's)")
     parser.add_argument("--rank", default="0", help="dry run: the rank to build, a list, or 'all' (default: 0)")
+    parser.add_argument(
+        "--device-memory",
+        help="dry run: memory per device a mesh_shape=auto is planned against, e.g. 80GB (default: this machine's)",
+    )
     parser.epilog = "Other options are fit's overrides of the config, e.g. --trainer.devices=8."
     args, overrides = parser.parse_known_args(argv)
     read_config(args.config)
@@ -544,6 +648,8 @@ def check_command(argv: Sequence[str]) -> int:
         enable_model_summary=False,
     )
     if args.dry_run:
+        if args.device_memory is not None and hasattr(trainer.strategy, "device_memory"):
+            trainer.strategy.device_memory = _bytes(args.device_memory)
         return dry_run(trainer, cli.model, cli.datamodule, args.rank, args.json)
     options = Options(args.deadline, args.join_deadline, sizes, args.iters, args.allow_mixed, args.json)
     return launch(trainer, cli.model, cli.datamodule, options)

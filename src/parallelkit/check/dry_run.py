@@ -102,7 +102,9 @@ def dry_run(trainer: Any, model: Any, datamodule: Any, ranks: str = "0", as_json
     if not isinstance(strategy, ParallelkitStrategy):
         raise ConfigError(
             f"--dry-run applies a parallelkit strategy's plan; this config's strategy is {type(strategy).__name__}, "
-            "which shards nothing. Fix: a config with a parallelkit strategy (fsdp_tp, pipeline, ...)."
+            "which shards nothing (a model preset names no strategy). Fix: name one, e.g. --trainer.strategy=fsdp_tp "
+            "--trainer.strategy.mesh_shape=auto --device-memory 80GB (the layout the planner picks for such "
+            "devices), or a mesh: --trainer.strategy.mesh_shape='[[8], [\"fsdp\"]]'."
         )
     strategy.check_run(model, datamodule, trainer.accumulate_grad_batches)
     spec = strategy.mesh_spec

@@ -36,6 +36,10 @@ class FSDPTPStrategy(ParallelkitStrategy):
 
     _auto_plan: Any = _NOT_PLANNED
 
+    device_memory: float | None = None
+    """Bytes per device `mesh_shape="auto"` is planned against: None for the device's own (a GPU's) or this machine's
+    memory shared by its processes (CPU); `parallelkit check --dry-run --device-memory` sets the cluster's."""
+
     def parallelize_model(self, trainer: Any) -> None:
         # The escape hatch: a model overriding configure_model() has already parallelised itself there.
         if self.resolved is not None:
@@ -111,13 +115,20 @@ class FSDPTPStrategy(ParallelkitStrategy):
                 "mesh_shape='auto': the datamodule states no seq_len/batch_size to plan for; every process shards."
             )
             return None
-        if self.root_device.type == "cuda":
+        elsewhere = ""
+        if self.device_memory is not None:
+            memory, hw = self.device_memory, {}
+            budget = f"{gb(memory)} per device (--device-memory)"
+        elif self.root_device.type == "cuda":
             memory, hw = torch.cuda.get_device_properties(self.root_device).total_memory, {}
             budget = f"{gb(memory)} per GPU"
         else:  # processes share the machine's memory; gloo moves a few GB/s, a core computes ~0.1 TFLOP/s
             memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / self.num_processes
             hw = {"intra_node_gbps": 5.0, "inter_node_gbps": 1.0, "device_tflops": 0.1}
             budget = f"{gb(memory)} per process (this machine's memory over {self.num_processes} processes)"
+            elsewhere = (
+                " For a cluster's devices: parallelkit check --dry-run --device-memory 80GB (their memory), or `plan`."
+            )
         hardware = Hardware(self.num_nodes, self.num_processes, memory, **hw)
         try:
             _, best, reason = recommend(meta, work, hardware, pipeline=False)
@@ -127,7 +138,8 @@ class FSDPTPStrategy(ParallelkitStrategy):
         if best is None:
             raise ConfigError(
                 f"mesh_shape='auto': {type(model).__name__} fits no layout of {self.num_nodes} x {self.num_processes} "
-                f"processes with {budget}, so nothing was launched: {reason}"
+                f"processes with {budget}, so nothing was launched: {reason} Or give the mesh yourself: "
+                f"--trainer.strategy.mesh_shape='[[...], [...]]'.{elsewhere}"
             )
         rank_zero_info(f"mesh_shape='auto' -> {best.mesh}: {reason}")
         return best.mesh
