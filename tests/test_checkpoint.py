@@ -3,6 +3,7 @@
 import contextlib
 import itertools
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -472,6 +473,29 @@ def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp
     resumed = step_losses(tmp_path / "resumed")
     assert min(resumed) == stopped_at + 1  # the step after the last one trained: nothing lost, nothing repeated
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
+
+
+def test_ctrl_c_says_what_was_saved_and_its_resume_command_continues_exactly(tmp_path, corpus, straight_fsdp2):
+    """Ctrl-C (SIGINT to every rank, as a terminal sends it) on [[2, 1]]: Lightning's exit 1, and one paragraph naming
+    the newest checkpoint and the command that resumes from it; that command, run as printed, continues with the
+    uninterrupted run's losses."""
+    ckpt = tmp_path / "ckpt"
+    save = checkpoint_every(ckpt, 4, last=True)
+    with training_in_background(
+        tmp_path, corpus, tmp_path / "first", *FSDP2, save, until=ckpt / "epoch=0-step=4.ckpt"
+    ) as job:
+        for rank in job.ranks():
+            os.kill(rank, signal.SIGINT)
+        job.wait(timeout=120)
+    assert job.returncode == 1, job.stderr()[-3000:]
+    said = next(line for line in job.stderr().splitlines() if line.startswith("Interrupted at step "))
+    assert f"The newest checkpoint is {ckpt / 'last.ckpt'} (step " in said
+    command = shlex.split(said.partition("resume from it with: ")[2])
+    assert command[0] == "parallelkit" and command[-1] == "--ckpt_path=last"
+    assert_ok(parallelkit(*command[1:], cwd=tmp_path))
+    resumed = step_losses(tmp_path / "first")  # the resumed run's log: the newest under the same save_dir
+    assert min(resumed) % 4 == 0 and max(resumed) == STEPS - 1
+    assert_same_losses({s: straight_fsdp2[s] for s in resumed}, resumed, rtol=1e-6)
 
 
 def test_sigterm_under_ddp_comm_saves_last_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus, ddp_fp32):

@@ -276,6 +276,22 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
             "For a cluster's devices: parallelkit check --dry-run --device-memory 80GB",
         ],
     ),
+    "a validation split smaller than one global batch": (  # 4 processes would start, then each refuse it
+        fit_config("sft.yaml", "--data.init_args.val_fraction=0.002"),
+        ["The val split of the built-in conversations holds", "fewer than one global batch of 8", "data.val_fraction"],
+    ),
+    "val_check_interval beyond an epoch's batches": (
+        fit_config("single.yaml", f"--data.init_args.paths={REPO / 'README.md'}", "--trainer.val_check_interval=500"),
+        [
+            "trainer.val_check_interval=500 batches is more than an epoch's",
+            "validation would never run",
+            "Fix: --trainer.val_check_interval=",
+        ],
+    ),
+    "checkpointing off with a ModelCheckpoint in the config": (
+        fit_config("sft.yaml", "--trainer.enable_checkpointing=false"),
+        ["trainer.enable_checkpointing=false, but trainer.callbacks holds a ModelCheckpoint", "--trainer.callbacks=[]"],
+    ),
     "YAML syntax error": (
         lambda tmp: parallelkit("fit", "--config", bad_yaml(tmp), cwd=tmp, timeout=120),
         ["run.yaml is not valid YAML at line 4, column 6", "expected ',' or ']'", "Fix the YAML there"],

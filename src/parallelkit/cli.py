@@ -118,7 +118,8 @@ class ParallelkitCLI(LightningCLI):
 
     def _check_trainer_config(self) -> None:
         """Refuse what Lightning's Trainer would refuse with a traceback, or not at all: an unknown strategy name, a
-        precision a parallelkit strategy does not run, and fewer than one batch per optimizer step."""
+        precision a parallelkit strategy does not run, fewer than one batch per optimizer step, and a checkpoint
+        callback with checkpointing off."""
         from parallelkit.strategies import ParallelkitStrategy
         from parallelkit.strategies.base import ShardedPrecision
 
@@ -129,6 +130,17 @@ class ParallelkitCLI(LightningCLI):
                 f"trainer.accumulate_grad_batches={accumulate}: the number of batches whose gradients make one "
                 "optimizer step must be at least 1. Fix: 1 (a step per batch, the default) or more."
             )
+        if config.get("enable_checkpointing") is False:
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            saving = [c for c in config.get("callbacks") or [] if isinstance(c, ModelCheckpoint)]
+            if saving:
+                raise ConfigError(
+                    f"trainer.enable_checkpointing=false, but trainer.callbacks holds a ModelCheckpoint (dirpath "
+                    f"{saving[0].dirpath}): Lightning refuses the two together. Fix: to save nothing, drop the "
+                    "config's callbacks with --trainer.callbacks=[] (or delete the ModelCheckpoint from the config); "
+                    "to save, leave enable_checkpointing on."
+                )
         strategy, precision = config.get("strategy"), config.get("precision")
         if isinstance(strategy, str):
             check_strategy_name(strategy)
@@ -140,15 +152,16 @@ class ParallelkitCLI(LightningCLI):
     @override
     def instantiate_trainer(self, **kwargs: object) -> object:
         """The Trainer, showing parallelkit's progress bar and model summary (`parallelkit.callbacks.display`)
-        unless the config brings its own or turns them off."""
+        unless the config brings its own or turns them off, and saying on Ctrl-C how to resume (`InterruptNotice`)."""
         from lightning.pytorch.callbacks import ModelSummary as AnyModelSummary
         from lightning.pytorch.callbacks import ProgressBar as AnyProgressBar
 
         from parallelkit.callbacks.display import ModelSummary, ProgressBar
+        from parallelkit.callbacks.preemption import InterruptNotice
 
         self._check_trainer_config()
         config = self.config_init[self.subcommand]["trainer"]
-        callbacks = list(config.get("callbacks") or [])
+        callbacks = [*(config.get("callbacks") or []), InterruptNotice(sys.argv[1:])]
         if config.get("enable_progress_bar") is not False and not any(isinstance(c, AnyProgressBar) for c in callbacks):
             callbacks.append(ProgressBar())
         if config.get("enable_model_summary") is not False and not any(
@@ -179,8 +192,9 @@ class ParallelkitCLI(LightningCLI):
 
     def _before_launch(self) -> None:
         """Refuse, in this one process before any worker starts: a model the strategy's layout cannot split, data
-        whose ids cannot be the model's (the datamodule's `check_model`), and a sharded checkpoint under a strategy
-        that cannot load it (instead of failing in torch.load)."""
+        whose ids cannot be the model's (the datamodule's `check_model`) or too little of it for the run
+        (`check_launch`), and a sharded checkpoint under a strategy that cannot load it (instead of failing in
+        torch.load)."""
         from parallelkit.strategies import ParallelkitStrategy
 
         if isinstance(self.trainer.strategy, ParallelkitStrategy):
@@ -188,6 +202,15 @@ class ParallelkitCLI(LightningCLI):
         check_data = getattr(self.datamodule, "check_model", None)
         if callable(check_data):
             check_data(self.model)
+        check_launch = getattr(self.datamodule, "check_launch", None)
+        if self.subcommand == "fit" and callable(check_launch):
+            strategy = self.trainer.strategy
+            replicas = (
+                strategy.mesh_spec.dp_size
+                if isinstance(strategy, ParallelkitStrategy)
+                else self.trainer.num_devices * self.trainer.num_nodes
+            )
+            check_launch(replicas, self.trainer)
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         sharded = isinstance(ckpt_path, str) and (Path(ckpt_path) / ".metadata").is_file()
         if sharded and not isinstance(self.trainer.strategy, ParallelkitStrategy):

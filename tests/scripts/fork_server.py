@@ -98,21 +98,33 @@ def lead(request: dict) -> None:
 
 def supervise(ranks: dict[int, int], requests: int, replies: int, start) -> int:
     """Wait for every rank, forking those rank 0's launcher asks for; once one fails, SIGKILL the rest (Lightning's
-    launcher does the same). Returns the first failure's exit code (the lowest rank's among those seen together)."""
-    alive, code, pending = set(ranks), None, b""
+    launcher does the same). Returns the first failure's exit code (the lowest rank's among those seen together); a
+    rank that rank 0's launcher ends itself (SIGKILL as rank 0 exits, on Ctrl-C) is not a failure."""
+    alive, code, pending, ended_by_rank_0 = set(ranks), None, b"", set()
     listening = [requests]
+
+    def read_requests(timeout: float) -> None:
+        nonlocal pending, listening
+        if not (listening and select.select(listening, [], [], timeout)[0]):
+            return
+        chunk = os.read(requests, 1 << 20)
+        if not chunk:
+            listening = []
+        pending += chunk
+        while b"\n" in pending:
+            line, pending = pending.split(b"\n", 1)
+            request = json.loads(line)
+            if "ending" in request:  # rank 0's launcher SIGKILLs its children as it ends: not their failure
+                ended_by_rank_0.add(request["ending"])
+                continue
+            pid = start(request)
+            alive.add(pid)
+            os.write(replies, f"{pid}\n".encode())
+
     while alive:
-        if listening and select.select(listening, [], [], 0.02)[0]:
-            chunk = os.read(requests, 1 << 20)
-            if not chunk:
-                listening = []
-            pending += chunk
-            while b"\n" in pending:
-                line, pending = pending.split(b"\n", 1)
-                pid = start(json.loads(line))
-                alive.add(pid)
-                os.write(replies, f"{pid}\n".encode())
-        elif not listening:
+        if listening:
+            read_requests(0.02)
+        else:
             select.select([], [], [], 0.02)
         ended = []
         while True:
@@ -123,8 +135,9 @@ def supervise(ranks: dict[int, int], requests: int, replies: int, start) -> int:
             if pid == 0:
                 break
             alive.discard(pid)
-            ended.append((ranks[pid], os.waitstatus_to_exitcode(status)))
-        failures = sorted((rank, rc) for rank, rc in ended if rc != 0)
+            ended.append((pid, os.waitstatus_to_exitcode(status)))
+        read_requests(0)  # rank 0 says it ends a child before it signals it: a child reaped here is known by now
+        failures = sorted((ranks[pid], rc) for pid, rc in ended if rc != 0 and pid not in ended_by_rank_0)
         if failures and code is None:
             code = failures[0][1]
             for pid in alive:
@@ -150,13 +163,16 @@ class ForkedChild:
 
     returncode = None
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, requests: int) -> None:
         self.pid = pid
+        self.requests = requests
 
     def poll(self) -> None:
         return None
 
     def send_signal(self, signum: int) -> None:
+        if signum == signal.SIGKILL:  # the launcher ending its children (Ctrl-C): the leader must not count it
+            os.write(self.requests, json.dumps({"ending": self.pid}).encode() + b"\n")
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signum)
 
@@ -170,7 +186,7 @@ def _launch_ranks_through(requests: int, replies: int) -> None:
         line = b""
         while not line.endswith(b"\n"):
             line += answers.read(1)
-        return ForkedChild(int(line))
+        return ForkedChild(int(line), requests)
 
     lightning_launcher.subprocess = type("Subprocess", (), {"Popen": staticmethod(popen)})
 

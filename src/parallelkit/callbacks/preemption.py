@@ -1,9 +1,13 @@
-"""Save a checkpoint when the job is told to stop (SIGTERM: preemption, SLURM, torchrun shutting down)."""
+"""Save a checkpoint when the job is told to stop (SIGTERM: preemption, SLURM, torchrun shutting down); say how to
+resume when it is stopped by hand (Ctrl-C)."""
 
 from __future__ import annotations
 
+import shlex
 import signal
+import sys
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import lightning as L
@@ -94,3 +98,42 @@ class PreemptionCheckpoint(L.Callback):
         else:
             path = Path(trainer.default_root_dir) / "checkpoints" / "last.ckpt"
         trainer.save_checkpoint(path)
+
+
+class InterruptNotice(L.Callback):
+    """On Ctrl-C (KeyboardInterrupt), rank 0 says what is saved and the command that resumes from it: `argv` (the
+    `parallelkit` command's arguments) with `--ckpt_path last` when a `last` checkpoint exists, else the newest
+    checkpoint's path. A checkpoint interrupted while being written (`.partial`) is named as incomplete: nothing
+    reads it. The parallelkit CLI adds this callback to every run."""
+
+    def __init__(self, argv: Sequence[str]) -> None:
+        self.argv = list(argv)
+
+    @override
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        if not isinstance(exception, KeyboardInterrupt) or trainer.global_rank != 0:
+            return
+        saved, partial, last, step = [], [], False, 0
+        for callback in trainer.checkpoint_callbacks:
+            if isinstance(callback, ModelCheckpoint) and callback.dirpath and Path(callback.dirpath).is_dir():
+                entries = list(Path(callback.dirpath).iterdir())
+                saved += [p for p in entries if p.suffix == callback.FILE_EXTENSION]
+                partial += [p for p in entries if p.name.endswith(".partial")]
+                last = last or bool(callback._find_last_checkpoints(trainer))
+                step = max(step, getattr(callback, "_last_global_step_saved", 0))
+        said = f"Interrupted at step {trainer.global_step}."
+        if saved:
+            newest = max(saved, key=lambda path: path.stat().st_mtime)
+            said += f" The newest checkpoint is {newest}" + (f" (step {step})" if step else "") + ";"
+            args = [  # the command as given, less a --ckpt_path (and its value)
+                arg
+                for i, arg in enumerate(self.argv)
+                if not arg.startswith("--ckpt_path") and not (i and self.argv[i - 1] == "--ckpt_path")
+            ]
+            resume = shlex.join(["parallelkit", *args, f"--ckpt_path={'last' if last else newest}"])
+            said += f" resume from it with: {resume}"
+        else:
+            said += " No checkpoint was saved in this run: a rerun starts where this one started."
+        if partial:
+            said += f" {', '.join(p.name for p in partial)}: interrupted while being written, incomplete, not read."
+        print(said, file=sys.stderr, flush=True)

@@ -171,10 +171,33 @@ class TokenStreamDataModule(L.LightningDataModule):
         """Remember the saved position; the train dataloader built next starts there."""
         self._resume_state = dict(state_dict) or None
 
-    def _sampler(self, dataset: TokenWindows | None, split: str, shuffle: bool) -> GlobalBatchSampler:
-        if dataset is None:
-            raise RuntimeError(f"{type(self).__name__}.setup() must run before its {split} dataloader is built")
-        num_replicas, rank = self.data_parallel_layout()
+    def check_launch(self, num_replicas: int, trainer: Any) -> None:
+        """Refuse, in the launching process before any rank starts, what this data cannot give the run: a split
+        holding less than one global batch of `num_replicas` x batch_size, or an integer `val_check_interval` beyond
+        an epoch's batches (a Lightning traceback otherwise). Builds the cache here (`prepare_data`: the ranks then
+        read it) and sets the splits up."""
+        self.prepare_data()
+        self.setup("fit")
+        validates = trainer.limit_val_batches != 0
+        self._check_global_batch(self.train_set, "train", num_replicas)
+        if validates:
+            self._check_global_batch(self.val_set, "val", num_replicas)
+        interval, limit = trainer.val_check_interval, trainer.limit_train_batches
+        if not (validates and isinstance(interval, int) and trainer.check_val_every_n_epoch is not None):
+            return
+        global_batch = self.batch_size * num_replicas
+        per_epoch = len(self.train_set) // global_batch
+        batches = min(per_epoch, limit) if isinstance(limit, int) else int(per_epoch * limit)
+        if interval > batches:
+            raise DataError(
+                f"trainer.val_check_interval={interval} batches is more than an epoch's {batches} training batches "
+                f"({self.describe('train')}: {len(self.train_set)} samples of seq_len {self.seq_len} in global "
+                f"batches of {global_batch}), so validation would never run. Fix: --trainer.val_check_interval="
+                f"{batches} or fewer, a fraction of the epoch (e.g. 0.5), or --trainer.check_val_every_n_epoch=null "
+                "to count batches across epochs."
+            )
+
+    def _check_global_batch(self, dataset: Any, split: str, num_replicas: int) -> None:
         global_batch_size = self.batch_size * num_replicas
         if len(dataset) < global_batch_size:
             raise DataError(
@@ -183,6 +206,12 @@ class TokenStreamDataModule(L.LightningDataModule):
                 f"{num_replicas}). Fix: {self.more_data_hint(split)}, or lower data.batch_size or "
                 f"data.seq_len."
             )
+
+    def _sampler(self, dataset: TokenWindows | None, split: str, shuffle: bool) -> GlobalBatchSampler:
+        if dataset is None:
+            raise RuntimeError(f"{type(self).__name__}.setup() must run before its {split} dataloader is built")
+        num_replicas, rank = self.data_parallel_layout()
+        self._check_global_batch(dataset, split, num_replicas)
         return GlobalBatchSampler(len(dataset), self.batch_size, num_replicas, rank, shuffle=shuffle, seed=self.seed)
 
     def _loader(self, dataset: TokenWindows | None, sampler: GlobalBatchSampler) -> DataLoader:

@@ -16,7 +16,6 @@ from typing_extensions import override
 from parallelkit.data.stream import TokenStreamDataModule, TokenWindows, cache_root, find_files
 from parallelkit.errors import DataError
 
-
 BYTE_VOCAB = 256
 """The ids `TextDataModule` feeds: the 256 byte values."""
 
