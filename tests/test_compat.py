@@ -12,7 +12,7 @@ from pathlib import Path
 import lightning as L
 import pytest
 import torch
-from lightning.pytorch.callbacks import ThroughputMonitor
+from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.strategies import ModelParallelStrategy
 from support import REPO
 from torch.distributed.device_mesh import DeviceMesh
@@ -42,6 +42,7 @@ CALLABLES = {
     "torch.distributed.device_mesh.DeviceMesh._flatten": "(self, mesh_dim_name=None, backend_override=None)",
     "torch.distributed._composable.checkpoint": "(module, **kwargs)",
     "torch.nn.Module._apply": "(self, fn, recurse=True)",
+    "lightning.pytorch.callbacks.ModelCheckpoint._find_last_checkpoints": "(self, trainer)",
     "torch.distributed._functional_collectives.all_to_all_single_autograd": (
         "(self, output_split_sizes, input_split_sizes, group, tag='')"
     ),
@@ -68,6 +69,7 @@ def test_private_attributes_exist_on_the_objects_that_hold_them():
     trainer = L.Trainer(logger=False, enable_checkpointing=False, enable_progress_bar=False)
     assert isinstance(trainer.fit_loop._skip_backward, bool)  # compat.skip_loop_backward
     assert trainer._signal_connector.received_sigterm is False  # compat.note_sigterm
+    assert ModelCheckpoint()._last_global_step_saved == 0  # compat.last_step_saved
     assert callable(trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor)  # compat.skip_sigterm_broadcast
     strategy = ModelParallelStrategy(save_distributed_checkpoint=False)
     assert strategy._device_mesh is None  # compat.set_device_mesh

@@ -25,3 +25,27 @@ def test_main_command_prints_no_warning_that_is_not_about_the_users_code(tmp_pat
     output = proc.stdout + proc.stderr
     assert "Epoch 0" in output and "Total params" in output and "val_loss" in output  # what a run should show
     assert not NOISE.findall(output), [line for line in output.splitlines() if NOISE.search(line)]
+
+
+def test_a_dry_run_of_a_hugging_face_preset_prints_nothing_but_its_plan(tmp_path):
+    """In a fresh interpreter (the import is where torchao, which transformers imports with every model, speaks):
+    a bf16 preset's dry run on CPU prints no torchao kernel-loading failures or Enum deprecations, no "Using bfloat16
+    Automatic Mixed Precision" (nothing trains) and no "No seed found" (nothing is drawn)."""
+    proc = parallelkit(
+        "check",
+        "--dry-run",
+        "--config",
+        str(REPO / "configs" / "models" / "llama3_1_8b.yaml"),
+        "--devices-per-node",
+        "8",
+        "--trainer.strategy=fsdp_tp",
+        '--trainer.strategy.mesh_shape=[[8], ["fsdp"]]',
+        cwd=tmp_path,
+        real_launch=True,  # a fresh interpreter: the forked ranks' server imported transformers (and torchao) already
+        PYTHONWARNINGS="",
+    )
+    assert_ok(proc)
+    output = proc.stdout + proc.stderr
+    assert "the plan applies on 8 ranks" in output
+    quiet = re.compile(r"Failed to load|Enum subclass|Automatic Mixed Precision|No seed found")
+    assert not NOISE.findall(output) and not quiet.findall(output), output[-3000:]

@@ -39,6 +39,7 @@ from typing_extensions import override
 import parallelkit
 from parallelkit import plugins
 from parallelkit.checkpoint import CheckpointError, check_readable, consolidate
+from parallelkit.compat import lightning_quiet_about_precision, parser_keys
 from parallelkit.errors import ConfigError, ParallelkitError
 from parallelkit.init import meta_parameters
 from parallelkit.mesh import MeshSpec
@@ -278,7 +279,7 @@ def parse_error(message: str, parser: Any, args: Sequence[str]) -> ConfigError:
     if unknown:
         key = unknown.group(unknown.lastindex)
         section = key.rpartition(".")[0]
-        known = _parser_keys(parser, args)
+        known = parser_keys(parser, args[0] if args else None)
         siblings = [k for k in known if k.rpartition(".")[0] == section] or known
         close = difflib.get_close_matches(key, siblings, n=1)
         return ConfigError(
@@ -300,14 +301,6 @@ def _init_options(class_path: str) -> list[str]:
     except (ImportError, AttributeError, ValueError, TypeError):
         return []
     return [p.name for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-
-
-def _parser_keys(parser: Any, args: Sequence[str]) -> list[str]:
-    """The option keys of `parser`'s subcommand in `args` (or of the parser itself)."""
-    subcommands = getattr(parser, "_subcommands_action", None)
-    chosen = subcommands.choices.get(args[0]) if subcommands is not None and args else None
-    target = chosen or parser
-    return [action.dest for action in target._actions if action.dest and not action.dest.startswith("_")]
 
 
 PRECISION_ALIASES = {"16": "16-mixed", "bf16": "bf16-mixed", "32": "32-true", "64": "64-true"}
@@ -663,13 +656,14 @@ def check_command(argv: Sequence[str]) -> int:
         overrides += [f"--trainer.devices={args.devices_per_node}"] if args.devices_per_node else []
     cli = _PlanCLI(args.config, overrides)  # the model on the meta device
     settings = dict(cli.config_init["trainer"])
-    trainer = Trainer(
-        **{key: settings[key] for key in CHECK_TRAINER_KEYS if settings.get(key) is not None},
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    with lightning_quiet_about_precision():  # the check trains nothing
+        trainer = Trainer(
+            **{key: settings[key] for key in CHECK_TRAINER_KEYS if settings.get(key) is not None},
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+        )
     if args.dry_run:
         if args.device_memory is not None and hasattr(trainer.strategy, "device_memory"):
             trainer.strategy.device_memory = _bytes(args.device_memory)

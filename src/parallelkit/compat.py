@@ -225,6 +225,26 @@ def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = lambda: None
 
 
+def last_checkpoints(callback: Any, trainer: L.Trainer) -> set[str]:
+    """The `last*.ckpt` entries of a ModelCheckpoint's directory: what `ckpt_path="last"` resumes from (Lightning's
+    `ModelCheckpoint._find_last_checkpoints`)."""
+    return callback._find_last_checkpoints(trainer)
+
+
+def last_step_saved(callback: Any) -> int:
+    """The global step of a ModelCheckpoint's newest save this run (0 before any)."""
+    return callback._last_global_step_saved
+
+
+def parser_keys(parser: Any, subcommand: str | None) -> list[str]:
+    """The option keys LightningCLI's (jsonargparse's) parser knows for `subcommand` (or its own without one), from
+    argparse's `_actions` and jsonargparse's `_subcommands_action`."""
+    subcommands = getattr(parser, "_subcommands_action", None)
+    chosen = subcommands.choices.get(subcommand) if subcommands is not None and subcommand else None
+    target = chosen or parser
+    return [action.dest for action in target._actions if action.dest and not action.dest.startswith("_")]
+
+
 # -- torch -------------------------------------------------------------------------------------------------------
 def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
     """One mesh axis named `name` spanning every axis of `mesh` (a sub-mesh of the root). torch 2.13:
@@ -494,15 +514,43 @@ class _WithoutTips(logging.Filter):
         return not str(record.msg).startswith("💡 Tip:")
 
 
+class _Without(logging.Filter):
+    def __init__(self, pattern: str) -> None:
+        super().__init__()
+        self.pattern = re.compile(pattern)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not self.pattern.search(str(record.msg) % record.args if record.args else str(record.msg))
+
+
 def quiet_known_noise() -> None:
-    """Silence, precisely, what Lightning prints on every run that is neither about the user's code nor actionable:
-    its own use of a torch API that torch 2.13 deprecated, and its advertisements for cloud services. Every other
-    warning, torch's and Lightning's included, still shows."""
+    """Silence, precisely, what is printed on every run that is neither about the user's code nor actionable:
+    Lightning's own use of a torch API that torch 2.13 deprecated and its advertisements for cloud services; and,
+    where torchao is installed (transformers imports it with every model), its optional CUDA kernels built for
+    another Python failing to load (NF4 needs none of them) and torch telling torchao's developers that registering
+    its Enums is deprecated. Every other warning, torch's, torchao's and Lightning's included, still shows."""
     warnings.filterwarnings(
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", module=r"lightning\.pytorch\.utilities"
     )
     for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero"):
         logging.getLogger(name).addFilter(_WithoutTips())
+    logging.getLogger("torchao").addFilter(_Without(r"^Failed to load .*/torchao/_C[^/]*\.so: "))
+    logging.getLogger("torch.utils._pytree").addFilter(
+        _Without(r"is an Enum subclass and is now natively supported by torch\.compile")
+    )
+
+
+@contextlib.contextmanager
+def lightning_quiet_about_precision() -> Iterator[None]:
+    """Within: no "Using bfloat16 Automatic Mixed Precision (AMP)" from a Trainer built to read the run's layout
+    (`parallelkit check`), which trains nothing."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    quiet = _Without(r"^Using (16bit|bfloat16) Automatic Mixed Precision")
+    logger.addFilter(quiet)
+    try:
+        yield
+    finally:
+        logger.removeFilter(quiet)
 
 
 def quiet_root_view_warning(root: Module) -> None:

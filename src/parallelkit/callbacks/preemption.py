@@ -17,7 +17,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.utilities.exceptions import SIGTERMException
 from typing_extensions import override
 
-from parallelkit.compat import note_sigterm, skip_sigterm_broadcast
+from parallelkit.compat import last_checkpoints, last_step_saved, note_sigterm, skip_sigterm_broadcast
 
 
 class PreemptionCheckpoint(L.Callback):
@@ -119,8 +119,8 @@ class InterruptNotice(L.Callback):
                 entries = list(Path(callback.dirpath).iterdir())
                 saved += [p for p in entries if p.suffix == callback.FILE_EXTENSION]
                 partial += [p for p in entries if p.name.endswith(".partial")]
-                last = last or bool(callback._find_last_checkpoints(trainer))
-                step = max(step, getattr(callback, "_last_global_step_saved", 0))
+                last = last or bool(last_checkpoints(callback, trainer))
+                step = max(step, last_step_saved(callback))
         said = f"Interrupted at step {trainer.global_step}."
         if saved:
             newest = max(saved, key=lambda path: path.stat().st_mtime)

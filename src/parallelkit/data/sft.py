@@ -36,7 +36,7 @@ from parallelkit.data.chat import (
 )
 from parallelkit.data.packing import Examples, PackedRows, StepTargetSampler, collate
 from parallelkit.data.sampler import GlobalBatchSampler
-from parallelkit.data.stream import TokenStreamDataModule, cache_root, find_files
+from parallelkit.data.stream import PositionedLoader, TokenStreamDataModule, cache_root, find_files
 from parallelkit.errors import DataError
 
 CACHE_FORMAT = 2
@@ -314,6 +314,6 @@ class SFTDataModule(TokenStreamDataModule):
 
     @override
     def _loader(self, dataset: Any, sampler: GlobalBatchSampler) -> DataLoader:
-        return DataLoader(
+        return PositionedLoader(
             dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers, collate_fn=collate
         )

@@ -45,6 +45,18 @@ def find_files(paths: Sequence[str], pattern: str) -> list[Path]:
     return sorted({p.resolve() for p in found})
 
 
+class PositionedLoader(DataLoader):
+    """A DataLoader whose resume position its datamodule keeps (`TokenStreamDataModule.state_dict`, saved with every
+    checkpoint): resumable mid-epoch, so it answers Lightning's `state_dict`/`load_state_dict` (with nothing of its
+    own to add), and Lightning does not warn that it is not."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        pass
+
+
 class TokenWindows(Dataset):
     """Non-overlapping windows of a 1-D token array; sample ``i`` is ``(x, y)``, ``y`` = ``x`` shifted by one.
 
@@ -215,4 +227,4 @@ class TokenStreamDataModule(L.LightningDataModule):
         return GlobalBatchSampler(len(dataset), self.batch_size, num_replicas, rank, shuffle=shuffle, seed=self.seed)
 
     def _loader(self, dataset: TokenWindows | None, sampler: GlobalBatchSampler) -> DataLoader:
-        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
+        return PositionedLoader(dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers)
