@@ -424,6 +424,17 @@ class StopAfter(L.Callback):
             trainer.should_stop = True  # checkpoint callbacks run after this one: step `step` is still saved
 
 
+class FailOnRankZero(L.Callback):
+    """Raises a parallelkit error on rank 0 alone as the run is set up: what a user's datamodule meets in
+    `prepare_data`, which Lightning runs on rank 0 only."""
+
+    def setup(self, trainer, pl_module, stage) -> None:
+        from parallelkit.errors import DataError
+
+        if trainer.global_rank == 0:
+            raise DataError("rank 0 alone met this (models.FailOnRankZero). Fix: none, it is a test.")
+
+
 class FirstBatch(L.Callback):
     """Writes out_dir/rank<r>.json: the input ids of this rank's first training batch (a run's cwd when relative)."""
 

@@ -110,9 +110,8 @@ def test_dry_run_applies_the_70b_presets_3d_plan_for_a_64_rank_cluster_in_one_pr
     """Llama-3.1-70B on [[4, 2, 8], ["pp", "fsdp", "tp"]] (8 nodes of 8), the first rank of the first stage and the
     last rank of the last: each holds a quarter of the layers, split 16 ways; the planner's figure within 10%."""
     args = [
-        "--trainer.strategy=parallelkit.PipelineStrategy",
+        "--trainer.strategy=1f1b",  # the README's command: a registered name and its class's options
         '--trainer.strategy.mesh_shape=[[4, 2, 8], ["pp", "fsdp", "tp"]]',
-        "--trainer.strategy.schedule=1f1b",
         "--nodes",
         "8",
         "--devices-per-node",

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from lightning.pytorch.strategies import StrategyRegistry
-from support import REPO, common, fit, parallelkit
+from support import REPO, callback, common, fit, parallelkit
 
 import parallelkit as _  # noqa: F401  registers parallelkit's and the plugins' strategies, which the error must list
 
@@ -98,6 +98,14 @@ def fit_config(config: str, *overrides: str) -> Callable[[Path], subprocess.Comp
 
 
 HYBRID = str(REPO / "configs" / "hybrid.yaml")
+DAMAGED_TOKENIZER = '{"version": "1.0", "model": {"type": "BPE", "vocab": {'
+
+
+def text_file(tmp: Path) -> Path:
+    (tmp / "text.txt").write_text("Some text to tokenize.\n")
+    return tmp / "text.txt"
+
+
 PRESET_70B = str(REPO / "configs" / "models" / "llama3_70b.yaml")  # fits no 8 processes of any machine's memory
 
 
@@ -292,6 +300,17 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         fit_config("sft.yaml", "--trainer.enable_checkpointing=false"),
         ["trainer.enable_checkpointing=false, but trainer.callbacks holds a ModelCheckpoint", "--trainer.callbacks=[]"],
     ),
+    "a damaged tokenizer.json, met as the data is tokenized before launch": (
+        lambda tmp: fit(
+            "finetune.yaml",
+            tmp,
+            *QUICK,
+            f"--model.init_args.pretrained={pretrained_with(tmp, tokenizer=DAMAGED_TOKENIZER)}",
+            f"--data.init_args.paths={text_file(tmp)}",
+            timeout=120,
+        ),
+        ["llama/tokenizer.json is not a tokenizer the tokenizers library can read"],
+    ),
     "YAML syntax error": (
         lambda tmp: parallelkit("fit", "--config", bad_yaml(tmp), cwd=tmp, timeout=120),
         ["run.yaml is not valid YAML at line 4, column 6", "expected ',' or ']'", "Fix the YAML there"],
@@ -377,10 +396,16 @@ def test_bad_input_every_rank_meets_is_reported_once(tmp_path: Path, corpus: Pat
 
 
 def test_an_error_only_rank_zero_meets_is_reported_once_and_the_other_ranks_stay_silent(tmp_path: Path):
-    """A damaged tokenizer.json is met in prepare_data, which rank 0 alone runs: its error is the job's one paragraph,
-    and the ranks waiting for it end without a traceback of their own (a collective whose peer is gone)."""
-    directory = pretrained_with(tmp_path, tokenizer='{"version": "1.0", "model": {"type": "BPE", "vocab": {')
-    (tmp_path / "text.txt").write_text("Some text to tokenize.\n")
-    overrides = [f"--model.init_args.pretrained={directory}", f"--data.init_args.paths={tmp_path / 'text.txt'}"]
-    proc = fit("finetune.yaml", tmp_path, *QUICK, "--trainer.devices=2", *overrides, timeout=180)
-    assert_one_paragraph_error(proc, ["llama/tokenizer.json is not a tokenizer the tokenizers library can read"])
+    """An error rank 0 alone meets after launch (`models.FailOnRankZero`, as a user's datamodule's `prepare_data`
+    would: Lightning runs it on rank 0 only): its error is the job's one paragraph, and the ranks waiting for it end
+    without a traceback of their own (a collective whose peer is gone)."""
+    proc = fit(
+        "hybrid.yaml",
+        tmp_path,
+        *QUICK,
+        "--trainer.devices=2",
+        "--trainer.strategy.mesh_shape=[[2, 1], [fsdp, tp]]",
+        callback("models.FailOnRankZero"),
+        timeout=180,
+    )
+    assert_one_paragraph_error(proc, ["rank 0 alone met this (models.FailOnRankZero)"])

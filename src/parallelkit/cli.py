@@ -211,7 +211,7 @@ class ParallelkitCLI(LightningCLI):
                 if isinstance(strategy, ParallelkitStrategy)
                 else self.trainer.num_devices * self.trainer.num_nodes
             )
-            check_launch(replicas, self.trainer)
+            check_launch(self.model, replicas, self.trainer)
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         sharded = isinstance(ckpt_path, str) and (Path(ckpt_path) / ".metadata").is_file()
         if sharded and not isinstance(self.trainer.strategy, ParallelkitStrategy):

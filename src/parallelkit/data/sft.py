@@ -143,7 +143,7 @@ class SFTDataModule(TokenStreamDataModule):
         """`tokenizer`, else the model's own, else the built-in byte-level chat tokenizer."""
         if self.tokenizer is not None:
             return Path(self.tokenizer).expanduser()
-        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        model = self.model()
         directory = getattr(model, "tokenizer_directory", None)
         if directory is not None:
             return Path(directory)
@@ -239,7 +239,7 @@ class SFTDataModule(TokenStreamDataModule):
         )
         encoder = self.encoder()
         self.vocab_size = len(encoder.tokenizer)
-        model_vocab = getattr(getattr(self.trainer, "lightning_module", None), "vocab_size", None)
+        model_vocab = getattr(self.model(), "vocab_size", None)
         if isinstance(model_vocab, int) and meta["max_id"] >= model_vocab:
             raise DataError(
                 f"The SFT data holds token id {meta['max_id']} (tokenizer {encoder.source}, {self.vocab_size} ids), "

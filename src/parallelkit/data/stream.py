@@ -123,6 +123,7 @@ class TokenStreamDataModule(L.LightningDataModule):
         self.val_set: TokenWindows | None = None
         self._train_sampler: GlobalBatchSampler | None = None
         self._resume_state: dict[str, int] | None = None
+        self._launch_model: Any = None
 
     def describe(self, split: str) -> str:
         """Where ``split``'s tokens come from, as the subject of an error message."""
@@ -183,11 +184,18 @@ class TokenStreamDataModule(L.LightningDataModule):
         """Remember the saved position; the train dataloader built next starts there."""
         self._resume_state = dict(state_dict) or None
 
-    def check_launch(self, num_replicas: int, trainer: Any) -> None:
-        """Refuse, in the launching process before any rank starts, what this data cannot give the run: a split
-        holding less than one global batch of `num_replicas` x batch_size, or an integer `val_check_interval` beyond
-        an epoch's batches (a Lightning traceback otherwise). Builds the cache here (`prepare_data`: the ranks then
-        read it) and sets the splits up."""
+    def model(self) -> Any:
+        """The model this data feeds: the trainer's, or, before launch, the one `check_launch` was given (None
+        without either)."""
+        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        return model if model is not None else self._launch_model
+
+    def check_launch(self, model: Any, num_replicas: int, trainer: Any) -> None:
+        """Refuse, in the launching process before any rank starts, what this data cannot give the run of `model`:
+        ids it has no embedding for, a split holding less than one global batch of `num_replicas` x batch_size, or
+        an integer `val_check_interval` beyond an epoch's batches (a Lightning traceback otherwise). Builds the cache
+        here (`prepare_data`: the ranks then read it) and sets the splits up."""
+        self._launch_model = model
         self.prepare_data()
         self.setup("fit")
         validates = trainer.limit_val_batches != 0

@@ -119,7 +119,7 @@ class TextDataModule(TokenStreamDataModule):
 
     @override
     def setup(self, stage: str | None = None) -> None:
-        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        model = self.model()
         if model is not None:
             self.check_model(model)
         path = self._build_corpus()

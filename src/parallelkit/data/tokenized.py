@@ -228,7 +228,7 @@ class TokenizedDataModule(TokenStreamDataModule):
         from a directory that holds one), else None."""
         if self.tokenizer is not None:
             return Path(self.tokenizer).expanduser()
-        model = getattr(self.trainer, "lightning_module", None) if self.trainer is not None else None
+        model = self.model()
         directory = getattr(model, "tokenizer_directory", None)
         return Path(directory) if directory is not None else None
 
@@ -280,7 +280,7 @@ class TokenizedDataModule(TokenStreamDataModule):
                 f"The corpus {self.paths} is empty (0 tokens in {self.token_file}). Fix: point data.paths at "
                 f"non-empty text, JSONL or token files."
             )
-        model_vocab_size = getattr(getattr(self.trainer, "lightning_module", None), "vocab_size", None)
+        model_vocab_size = getattr(self.model(), "vocab_size", None)
         if isinstance(model_vocab_size, int) and not isinstance(model_vocab_size, bool):
             self.check_model_vocab(model_vocab_size, meta)
         dtype, offset = np.dtype(meta["dtype"]), meta["offset"]
