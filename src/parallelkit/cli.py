@@ -204,7 +204,10 @@ class ParallelkitCLI(LightningCLI):
         if callable(check_data):
             check_data(self.model)
         check_launch = getattr(self.datamodule, "check_launch", None)
-        if self.subcommand == "fit" and callable(check_launch):
+        environment = getattr(self.trainer.strategy, "cluster_environment", None)
+        # Under torchrun or SLURM every rank runs this: the ranks check their data themselves, once it is prepared.
+        launching = not getattr(environment, "creates_processes_externally", False)
+        if self.subcommand == "fit" and callable(check_launch) and launching:
             strategy = self.trainer.strategy
             replicas = (
                 strategy.mesh_spec.dp_size
