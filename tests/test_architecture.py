@@ -102,7 +102,8 @@ def test_the_contract_imports_nothing_of_ours_and_the_parallel_code_no_lora_or_s
 
 def test_importing_the_contract_loads_no_lightning_and_the_root_hands_its_names_on_when_used():
     """A fresh interpreter (the question is what an import loads): `import parallelkit.contract` loads neither
-    Lightning nor anything that imports it (torchmetrics), nor any strategy; the root's names come when asked for."""
+    Lightning nor anything that imports it (torchmetrics), nor any strategy; the root's names come when asked for;
+    `parallelkit env`, a tool that needs no Lightning, runs without loading it (the CLI imports a tool when run)."""
     import subprocess
     import sys
 
@@ -114,10 +115,17 @@ def test_importing_the_contract_loads_no_lightning_and_the_root_hands_its_names_
         "print(sorted(name for name in heavy if name in sys.modules))\n"
         "import parallelkit\n"
         "print(parallelkit.MeshSpec.__module__, 'lightning' in sys.modules)\n"
+        "from parallelkit.cli import main\n"
+        "try:\n"
+        "    main(['env'])\n"
+        "except SystemExit:\n"
+        "    pass\n"
+        "print('lightning' in sys.modules)\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split("\n")[:2] == ["[]", "parallelkit.mesh False"], proc.stdout
+    lines = proc.stdout.split("\n")
+    assert lines[:2] == ["[]", "parallelkit.mesh False"] and lines[-2] == "False", proc.stdout  # env: no Lightning
 
 
 def calls(path: Path, function: str) -> int:

@@ -486,8 +486,14 @@ def test_ctrl_c_says_what_was_saved_and_its_resume_command_continues_exactly(tmp
     with training_in_background(
         tmp_path, corpus, tmp_path / "first", *FSDP2, save, until=ckpt / "epoch=0-step=4.ckpt"
     ) as job:
-        os.kill(job.ranks()[0], signal.SIGINT)
-        job.wait(timeout=120)
+        # Again until it ends, as a user presses Ctrl-C again: Python drops a KeyboardInterrupt raised inside a
+        # finalizer ("Exception ignored in: <finalize object>"); once Lightning handles one, it ignores the rest.
+        deadline = time.time() + 120
+        while job.poll() is None and time.time() < deadline:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(job.ranks()[0], signal.SIGINT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                job.wait(timeout=1)
     assert job.returncode == 1, job.stderr()[-3000:]
     said = next(line for line in job.stderr().splitlines() if line.startswith("Interrupted at step "))
     assert f"The newest checkpoint is {ckpt / 'last.ckpt'} (step " in said

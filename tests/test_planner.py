@@ -10,7 +10,7 @@ from rich.text import Text
 from support import REPO, assert_ok, common, fit, parallelkit, step_losses
 
 from parallelkit.callbacks.activations import SavedTensorWindow
-from parallelkit.cli import PLAN_COLUMNS, PLAN_TABLE_OMITS
+from parallelkit.cli.plan import PLAN_COLUMNS, PLAN_TABLE_OMITS
 from parallelkit.compat import composable_checkpoint
 from parallelkit.mesh import MeshSpec
 from parallelkit.models import GPT

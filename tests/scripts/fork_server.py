@@ -40,6 +40,7 @@ from lightning.fabric.utilities import rank_zero
 
 import parallelkit.callbacks  # noqa: F401 - what a run imports once the CLI has parsed, imported once here
 import parallelkit.cli as cli
+import parallelkit.cli.lightning_cli  # noqa: F401 - `fit` and the rest: LightningCLI
 import parallelkit.data  # noqa: F401
 import parallelkit.models.hf  # noqa: F401
 import parallelkit.strategies  # noqa: F401

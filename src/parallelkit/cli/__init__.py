@@ -1,0 +1,131 @@
+"""The `parallelkit` command: LightningCLI's fit/validate/test/predict (`lightning_cli`), plus the tools, one module
+each (`env`, `plugins`, `consolidate`, `export_hf`, `plan`, `check`), imported when named: a tool that needs no
+Lightning does not load it.
+
+parallelkit fit --config configs/ddp.yaml --trainer.max_steps=20
+parallelkit env --mesh '[[2, 2], ["fsdp", "tp"]]' --devices 4
+parallelkit plugins
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from parallelkit.cli.config import read_config
+from parallelkit.errors import ParallelkitError
+
+TOOLS_HELP = """\
+tools (no model, no training):
+  parallelkit env [--mesh SHAPE --devices N]   versions, backends, devices, launcher env, a mesh's rank layout
+  parallelkit plugins                          every discovered strategy and comm hook, and load errors
+  parallelkit consolidate CKPT_DIR OUT.pt      a sharded checkpoint's weights as one plain state dict
+  parallelkit export-hf CKPT OUT_DIR           an HFCausalLM checkpoint as a Hugging Face model directory
+                                               (--adapters: a LoRA run's adapters in PEFT's format; a non-empty
+                                               OUT_DIR only with --overwrite, which keeps files it does not write)
+  parallelkit plan --config RUN.yaml --nodes N --devices-per-node G --device-memory 80GB
+                                               every valid mesh's memory and communication, and a recommendation
+  parallelkit check --config RUN.yaml          launched as fit: every rank's device and versions, collectives per
+                                               mesh axis with deadlines (--dry-run --nodes N --devices-per-node G:
+                                               the real plan applied in one process with a fake process group)
+"""
+
+TOOLS = {
+    "env": "env:env_command",
+    "plugins": "plugins:plugins_command",
+    "consolidate": "consolidate:consolidate_command",
+    "export-hf": "export_hf:export_hf_command",
+    "plan": "plan:plan_command",
+    "check": "check:check_command",
+}
+"""Each tool's command: its module in this package and its function, imported when the tool is run."""
+
+
+def tool(name: str) -> Callable[[Sequence[str]], int]:
+    """The function that runs the tool `name` (its module imported now)."""
+    module, _, function = TOOLS[name].partition(":")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), function)
+
+
+REPORT_GRACE_S = 10.0
+"""How long a rank other than 0 waits for rank 0 to report the error they both met before reporting its own."""
+
+
+def report(err: ParallelkitError, launcher_pid: int) -> None:
+    """Print `err` as parallelkit's one-paragraph error on stderr, once per job.
+
+    An error after launch (planning the model, the first batch) usually stops every rank at the same point. Global
+    rank 0 reports it. Lightning's launcher started ranks 1..N-1 as rank 0's children (`launcher_pid`: the parent
+    when this process started), and torchrun ends every rank once one fails: another rank stays silent if rank 0 ends
+    within the grace period, and reports its own error otherwise (one rank 0 did not meet).
+    """
+    if global_rank() and rank_zero_ended(launcher_pid):
+        return
+    print(f"parallelkit: error: {' '.join(str(err).split())}", file=sys.stderr, flush=True)
+
+
+def global_rank() -> int:
+    """This process's global rank as Lightning knows it (0 where Lightning was never loaded: a tool's process)."""
+    utilities = sys.modules.get("lightning.pytorch.utilities")
+    return getattr(getattr(utilities, "rank_zero_only", None), "rank", 0) or 0
+
+
+def rank_zero_ended(launcher_pid: int) -> bool:
+    """On a rank Lightning's launcher started as rank 0's child: whether rank 0 (the parent, `launcher_pid`) ends
+    within REPORT_GRACE_S."""
+    deadline = time.monotonic() + REPORT_GRACE_S
+    while os.getppid() == launcher_pid and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return os.getppid() != launcher_pid
+
+
+def _config_files(args: Sequence[str]) -> list[str]:
+    """The files given to `--config`/`-c`: those that exist, and those named like a config file that do not
+    (jsonargparse also takes inline YAML there, and reports a missing file inside a screen of usage)."""
+    paths = [b for a, b in zip(args, args[1:]) if a in ("--config", "-c")]
+    paths += [a.split("=", 1)[1] for a in args if a.startswith("--config=")]
+    return [p for p in paths if Path(p).is_file() or p.endswith((".yaml", ".yml", ".json"))]
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Entry point of the `parallelkit` console script."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    launcher_pid = os.getppid()
+    try:
+        if args and args[0] in TOOLS:
+            sys.exit(tool(args[0])(args[1:]))
+        if not args or args[0] in ("-h", "--help"):
+            print(TOOLS_HELP)
+        for path in _config_files(args):
+            read_config(path)  # jsonargparse's YAML errors do not name the file
+        from parallelkit import plugins
+        from parallelkit.cli.lightning_cli import ParallelkitCLI
+
+        plugins.activate()  # strategies registered and known noise quieted before any model is built
+        # Lightning re-runs sys.argv for ranks 1..N-1, so the arguments must come from there unchanged.
+        ParallelkitCLI(args=None if argv is None else args)
+    except Exception as err:
+        # jsonargparse raises a constructor's error (a model's or datamodule's argument check) from its own.
+        cause: BaseException | None = err
+        while cause is not None and not isinstance(cause, ParallelkitError):
+            cause = cause.__cause__
+        if cause is None:
+            if global_rank() and rank_zero_ended(launcher_pid):
+                # Rank 0 failed alone (e.g. in prepare_data, which only it runs) and said why; this rank's error is
+                # the consequence: a collective whose peer is gone.
+                sys.exit(1)
+            raise
+        report(cause, launcher_pid)
+        sys.exit(2)
+    finally:
+        if argv is None:  # run as the program: the process ends now
+            # Interpreter shutdown's last garbage collection walks every object torch and Lightning created (about
+            # a second of CPU per process, so ~3 s of a 4-process job on 2 cores) to free the few reference cycles
+            # left, memory the exiting process returns anyway. It skips frozen objects; the rest of shutdown runs
+            # as usual (atexit handlers, files closed, process groups destroyed).
+            gc.freeze()
