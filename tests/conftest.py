@@ -63,6 +63,29 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def pretrained_llama(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Callable[..., Path]:
+    """`pretrained_llama(name, tokenizer=True, max_shard_size=None, **sizes)`: a user's model directory as
+    `save_pretrained` writes it: a Llama of `models.TINY_LLAMA`'s sizes (`sizes` change them) drawn from seed 7 (not
+    the runs' seed: weights a run initialised itself would not match), in safetensors shards of `max_shard_size`,
+    with its own tokenizer beside it (`models.save_tokenizer`, learnt from the corpus). Made once per session."""
+    import torch
+    from models import TINY_LLAMA, save_tokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    def get(name: str, tokenizer: bool = True, max_shard_size: str | None = None, **sizes: object) -> Path:
+        def make(directory: Path) -> None:
+            torch.manual_seed(7)
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **{**TINY_LLAMA, **sizes}))
+            model.save_pretrained(directory, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
+            if tokenizer:
+                save_tokenizer(directory, corpus)
+
+        return made_once(tmp_path_factory, f"pretrained-{name}", make)
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Callable[..., Reference]:
     """`reference(config, *overrides)`: a 20-step run of configs/<config> that checkpoints at step 10, made on first
     use and shared by every test of the session that compares with the same run."""

@@ -23,12 +23,9 @@ STEPS = 10
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory) -> Path:
+def pretrained(pretrained_llama) -> Path:
     """A small Llama as `save_pretrained` writes it, in two safetensors shards with an index."""
-    directory = tmp_path_factory.mktemp("pretrained")
-    torch.manual_seed(7)  # not the runs' seed: weights a run initialised itself would not match these
-    model = AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **LLAMA))
-    model.save_pretrained(directory, max_shard_size="300KB")
+    directory = pretrained_llama("sharded", tokenizer=False, max_shard_size="300KB")
     assert len(json.loads((directory / INDEX).read_text())["weight_map"]) == 21
     assert len(list(directory.glob("model-*-of-00002.safetensors"))) == 2
     return directory

@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from models import TINY_LLAMA, save_tokenizer
+from models import TINY_LLAMA
 from support import (
     FIRST_BATCH,
     TOKENIZED,
@@ -19,7 +19,7 @@ from support import (
     parallelkit,
     step_losses,
 )
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from parallelkit.checkpoint import MODEL_PREFIX, CheckpointError, consolidate, read_metadata
 from parallelkit.errors import ConfigError
@@ -36,14 +36,9 @@ LORA = {"rank": 8, "alpha": 16.0, "dropout": 0.0, "targets": ["q_proj", "k_proj"
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, corpus):
-    """The base model: a small Llama as `save_pretrained` writes it, from another seed than the runs', and its own
-    tokenizer beside it."""
-    directory = tmp_path_factory.mktemp("base")
-    torch.manual_seed(7)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **TINY_LLAMA)).save_pretrained(directory)
-    save_tokenizer(directory, corpus)
-    return directory
+def pretrained(pretrained_llama):
+    """The base model: a user's directory of the tiny Llama, its tokenizer beside it."""
+    return pretrained_llama("tiny")
 
 
 @pytest.fixture(scope="module")
@@ -122,7 +117,7 @@ def test_a_pipeline_rank_left_without_adapters_is_refused_with_the_fix():
     from parallelkit import PipelineStrategy
     from parallelkit.errors import PlanError
     from parallelkit.parallel import resolve
-    from parallelkit.parallel.pipeline import split_stages
+    from parallelkit.parallel.resolve import split_stages
 
     with meta_parameters():
         model = HFCausalLM({"model_type": "llama", **TINY_LLAMA}, lora=LORA)

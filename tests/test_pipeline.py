@@ -9,7 +9,8 @@ from parallelkit import PipelineStrategy
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.models import GPT
 from parallelkit.parallel import resolve
-from parallelkit.parallel.pipeline import StageModule, split_stages
+from parallelkit.parallel.pipeline import StageModule
+from parallelkit.parallel.resolve import split_stages
 
 STEPS = 20
 

@@ -15,7 +15,7 @@ from parallelkit.compat import composable_checkpoint
 from parallelkit.mesh import MeshSpec
 from parallelkit.models import GPT
 from parallelkit.models.gpt import Block
-from parallelkit.parallel.pipeline import split_stages
+from parallelkit.parallel.resolve import split_stages
 from parallelkit.planner import Estimate, Hardware, Workload, estimate, profile, recommend, workloads
 
 GPT70B = {"vocab_size": 32000, "n_layer": 80, "n_head": 64, "n_embd": 8192}

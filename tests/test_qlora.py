@@ -7,9 +7,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from models import TINY_LLAMA, save_tokenizer
+from models import TINY_LLAMA
 from support import FIRST_BATCH, TOKENIZED, assert_own_tokenizer, assert_same_losses, callback
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
 from parallelkit.checkpoint import consolidate
 from parallelkit.errors import ConfigError, PlanError
@@ -41,13 +41,9 @@ PIPELINE = (
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory, corpus):
-    """A user's model directory: the Llama as `save_pretrained` writes it, and its own tokenizer."""
-    directory = tmp_path_factory.mktemp("base")
-    torch.manual_seed(7)
-    AutoModelForCausalLM.from_config(AutoConfig.for_model("llama", **LLAMA)).save_pretrained(directory)
-    save_tokenizer(directory, corpus)
-    return directory
+def pretrained(pretrained_llama):
+    """A user's model directory: the Llama (hidden 128) and its own tokenizer."""
+    return pretrained_llama("qlora", hidden_size=LLAMA["hidden_size"], intermediate_size=LLAMA["intermediate_size"])
 
 
 def from_base(pretrained, *overrides: str) -> tuple[str, ...]:

@@ -47,8 +47,7 @@ from parallelkit.contract import GATHERING_STYLES, SHARDING_STYLES
 from parallelkit.errors import PlanError
 from parallelkit.lora import WHOLE_UNDER, LoRALinear, wants_nf4
 from parallelkit.mesh import MeshSpec
-from parallelkit.parallel.pipeline import split_stages
-from parallelkit.parallel.resolve import expand_tp, gathered_inside, resolve
+from parallelkit.parallel.resolve import expand_tp, gathered_inside, resolve, split_stages
 from parallelkit.parallel.schedule import Schedule
 from parallelkit.quantize import nf4_bytes
 

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import parallelkit
+from parallelkit.errors import ParallelkitError
 from parallelkit.mesh import MeshSpec
 
 BUS_FACTOR: dict[str, Callable[[int], float]] = {
@@ -282,8 +283,9 @@ def meet(host: str, port: int, rank: int, world: int, deadline: float) -> dist.S
         ) from err
 
 
-class CheckFailed(Exception):
-    """A finding that ends the check with a non-zero exit (its message is the finding)."""
+class CheckFailed(ParallelkitError):
+    """A finding that ends the check with a non-zero exit (its message is the finding): `parallelkit check` prints it
+    as its own verdict (exit 1), before the CLI would report it as a usage error."""
 
 
 def _first_line(err: BaseException) -> str:

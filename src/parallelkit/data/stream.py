@@ -4,10 +4,12 @@ sampler per split, and the resume position."""
 from __future__ import annotations
 
 import glob
+import hashlib
 import os
-from collections.abc import Mapping, Sequence
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, TypeVar
 
 import lightning as L
 import numpy as np
@@ -18,10 +20,36 @@ from typing_extensions import override
 from parallelkit.data.sampler import GlobalBatchSampler
 from parallelkit.errors import DataError
 
+T = TypeVar("T")
+
 
 def cache_root(cache_dir: str | None) -> Path:
     """Where datamodules cache token streams: `cache_dir`, else `$PARALLELKIT_CACHE`, else ~/.cache/parallelkit."""
     return Path(cache_dir or os.environ.get("PARALLELKIT_CACHE") or "~/.cache/parallelkit").expanduser()
+
+
+def sources_digest(files: Sequence[Path], *parts: str) -> Any:
+    """A sha256 of `parts` and each file's path, size and mtime: what names a cache of `files` (a file changed, added
+    or removed names another). Callers add what else changes the cache's contents."""
+    digest = hashlib.sha256("\0".join(parts).encode())
+    for path in files:
+        stat = path.stat()
+        digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest
+
+
+def write_atomically(target: Path, write: Callable[[IO[bytes]], T]) -> T:
+    """`write(out)` into a temporary file beside `target`, renamed to `target` once complete (ranks racing to build
+    a cache, or a crash, never leave a partial file under the name); returns what `write` returned."""
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as out:
+            result = write(out)
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return result
 
 
 def find_files(paths: Sequence[str], pattern: str) -> list[Path]:

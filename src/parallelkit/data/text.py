@@ -3,17 +3,21 @@ source, present on every machine). The shared windowing, sampling and resume log
 
 from __future__ import annotations
 
-import hashlib
-import os
 import sysconfig
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from typing_extensions import override
 
-from parallelkit.data.stream import TokenStreamDataModule, TokenWindows, cache_root, find_files
+from parallelkit.data.stream import (
+    TokenStreamDataModule,
+    TokenWindows,
+    cache_root,
+    find_files,
+    sources_digest,
+    write_atomically,
+)
 from parallelkit.errors import DataError
 
 BYTE_VOCAB = 256
@@ -77,10 +81,7 @@ class TextDataModule(TokenStreamDataModule):
 
     def corpus_path(self) -> Path:
         """The cache file for the current corpus, named by a hash of its files' paths, sizes and mtimes."""
-        digest = hashlib.sha256()
-        for path in self.files():
-            stat = path.stat()
-            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        digest = sources_digest(self.files())
         return cache_root(self.cache_dir) / f"bytes-{digest.hexdigest()[:16]}.bin"
 
     def describe(self, split: str) -> str:
@@ -138,15 +139,8 @@ class TextDataModule(TokenStreamDataModule):
         if target.exists():
             return target
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                for path in self.files():
-                    out.write(path.read_bytes())
-            os.replace(tmp, target)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        files = self.files()
+        write_atomically(target, lambda out: [out.write(path.read_bytes()) for path in files])
         return target
 
 

@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from collections.abc import Iterator
 from itertools import chain
 from pathlib import Path
@@ -24,7 +22,14 @@ from typing import Any
 import numpy as np
 from typing_extensions import override
 
-from parallelkit.data.stream import TokenStreamDataModule, TokenWindows, cache_root, find_files
+from parallelkit.data.stream import (
+    TokenStreamDataModule,
+    TokenWindows,
+    cache_root,
+    find_files,
+    sources_digest,
+    write_atomically,
+)
 from parallelkit.data.text import default_corpus_files
 from parallelkit.errors import DataError
 
@@ -249,10 +254,7 @@ class TokenizedDataModule(TokenStreamDataModule):
     def cache_path(self) -> Path:
         """The cache's description (``.json``; the tokens are the ``.bin`` beside it), named by a hash of the
         sources' paths, sizes and mtimes, the tokenizer file's contents and the options that change the tokens."""
-        digest = hashlib.sha256(f"tokenized-{CACHE_FORMAT}\0{self.text_field}\0".encode())
-        for path in self.files():
-            stat = path.stat()
-            digest.update(f"{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+        digest = sources_digest(self.files(), f"tokenized-{CACHE_FORMAT}", self.text_field)
         tokenizer_file = self.tokenizer_file()
         if tokenizer_file is not None:
             digest.update(hashlib.sha256(tokenizer_file.read_bytes()).digest())
@@ -477,7 +479,7 @@ class TokenizedDataModule(TokenStreamDataModule):
             "eos_id": eos_id,
             "sources": sources,
         }
-        _write_atomically(target, json.dumps(meta, indent=1).encode())
+        write_atomically(target, lambda out: out.write(json.dumps(meta, indent=1).encode()))
         return _read_meta(target)
 
     def _write_tokens(
@@ -489,21 +491,18 @@ class TokenizedDataModule(TokenStreamDataModule):
         tokenizer: Any,
         eos_id: int | None,
     ) -> list[dict[str, Any]]:
-        fd, tmp = tempfile.mkstemp(dir=token_file.parent, prefix=token_file.name, suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as out:
-                writer = _CacheWriter(out, dtype, len(files), tokenizer, eos_id)
-                for index, path in enumerate(files):
-                    if path in arrays:
-                        writer.add_array(arrays[path], index)
-                    else:
-                        for text in self._documents(path):
-                            writer.add_document(text, index)
-                writer.flush()
-            os.replace(tmp, token_file)
-        except BaseException:
-            os.unlink(tmp)
-            raise
+        def write(out: Any) -> _CacheWriter:
+            writer = _CacheWriter(out, dtype, len(files), tokenizer, eos_id)
+            for index, path in enumerate(files):
+                if path in arrays:
+                    writer.add_array(arrays[path], index)
+                else:
+                    for text in self._documents(path):
+                        writer.add_document(text, index)
+            writer.flush()
+            return writer
+
+        writer = write_atomically(token_file, write)
         return [
             {"path": str(path), "num_tokens": count, "max_id": largest}
             for path, count, largest in zip(files, writer.counts, writer.maxima)
@@ -514,14 +513,3 @@ def _read_meta(target: Path) -> dict[str, Any]:
     meta = json.loads(target.read_text())
     meta["tokens"] = str(target.parent / meta["tokens"])  # an absolute path (a source mapped in place) stays as is
     return meta
-
-
-def _write_atomically(target: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=target.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as out:
-            out.write(data)
-        os.replace(tmp, target)
-    except BaseException:
-        os.unlink(tmp)
-        raise
