@@ -137,7 +137,7 @@ def test_the_declared_plan_is_read_in_resolve_alone_and_at_build_time_by_lora():
     assert resolvers == {
         "parallelkit.strategies.base",
         "parallelkit.strategies.pipeline",
-        "parallelkit.planner",
+        "parallelkit.planner.profile",
         "parallelkit.callbacks.monitors",
         "parallelkit.callbacks.experts",
         "parallelkit.parallel",

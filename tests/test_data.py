@@ -171,7 +171,7 @@ def test_text_second_setup_reuses_the_cached_corpus(corpus, tmp_path, monkeypatc
     def no_rebuild(*args, **kwargs):
         raise AssertionError("the cached corpus was rebuilt")
 
-    monkeypatch.setattr(text_module.tempfile, "mkstemp", no_rebuild)
+    monkeypatch.setattr(text_module, "write_atomically", no_rebuild)
     dm = TextDataModule(paths=str(corpus), cache_dir=str(tmp_path))
     dm.prepare_data()
     dm.setup("fit")

@@ -251,7 +251,7 @@ def test_the_cache_is_built_once_and_reused_and_named_by_what_changes_the_tokens
     def no_rebuild(*args, **kwargs):
         raise AssertionError("the cache was rebuilt")
 
-    monkeypatch.setattr(tokenized_module.tempfile, "mkstemp", no_rebuild)
+    monkeypatch.setattr(tokenized_module, "write_atomically", no_rebuild)
     monkeypatch.setattr(Tokenizer, "from_file", no_rebuild)
     again = make(docs[0], tokenizer_dir, cache)
     again.prepare_data()
