@@ -13,8 +13,8 @@ from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from parallelkit.callbacks.monitors import local_bytes, training_state_bytes
 from parallelkit.lora import add_adapters
+from parallelkit.memory import local_bytes, training_state_bytes
 from parallelkit.mesh import data_parallel_group
 from parallelkit.models.gpt import GPT, MLP, Attention, Block
 

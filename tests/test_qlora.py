@@ -14,10 +14,11 @@ from transformers import AutoModelForCausalLM
 from parallelkit.checkpoint import consolidate
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.lora import quantized_names
+from parallelkit.memory import nf4_bytes
 from parallelkit.models import HFCausalLM
 from parallelkit.models.hf_io import export_hf
 from parallelkit.parallel import resolve
-from parallelkit.quantize import BLOCK, SCALER_BLOCK, nf4_bytes, quantization_scaler_block, scaler_block_size
+from parallelkit.quantize import BLOCK, SCALER_BLOCK, quantization_scaler_block, scaler_block_size
 from parallelkit.strategies import FSDPTPStrategy
 
 CONFIG = "qlora.yaml"

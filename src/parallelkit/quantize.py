@@ -112,10 +112,3 @@ def is_nf4(tensor: Any) -> bool:
 def shards_of(weight: torch.Tensor) -> int:
     """How many equal row-wise parts FSDP may cut an NF4 weight into at most: its scaler blocks' count."""
     return weight.numel() // BLOCK // scaler_block_size(weight.numel())
-
-
-def nf4_bytes(numel: int) -> int:
-    """Bytes of a weight of `numel` values stored as NF4: 4-bit codes, an int8 scale per block, an fp32 scale per
-    scaler block, the scales' mean and the 16-value code table (fp32)."""
-    blocks = numel // BLOCK
-    return numel // 2 + blocks + 4 * (blocks // max(scaler_block_size(numel), 1)) + 4 + 64

@@ -3,103 +3,14 @@
 from __future__ import annotations
 
 import weakref
-from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import lightning as L
 import torch
 from typing_extensions import override
 
-from parallelkit.compat import (
-    checkpointed_submodules,
-    recomputing,
-    saved_tensors_hooks_in_force,
-    storage_key,
-    view_base,
-)
-
-
-class _SavedTensorLedger:
-    """Counts bytes of distinct storages that autograd holds for backward, and their peak.
-
-    Parameters (leaf tensors that require grad) and views of them are left out: they live whether or not a step
-    is in flight.
-    A storage saved twice (a weight used by many microbatches, a view of an activation) counts once.
-    """
-
-    def __init__(self) -> None:
-        self.live = 0
-        self.peak = 0
-        self._refs: Counter[tuple[int, int]] = Counter()
-
-    @staticmethod
-    def _key(tensor: torch.Tensor) -> tuple[int, int] | None:
-        """The storage counted for `tensor`; None for a parameter, a view of one (a matmul saves `weight.t()`), or a
-        wrapper subclass without storage of its own."""
-        base = view_base(tensor)
-        if base.is_leaf and base.requires_grad:
-            return None
-        try:
-            return storage_key(tensor)  # a DTensor's local shard; meta tensors (the planner's) included
-        except RuntimeError:
-            return None
-
-    def _hold(self, key: tuple[int, int], owner: object) -> None:
-        """Count `key` until `owner` is freed."""
-        if self._refs[key] == 0:
-            self.live += key[1]
-            self.peak = max(self.peak, self.live)
-        self._refs[key] += 1
-        weakref.finalize(owner, self._release, key)
-
-    def pack(self, tensor: torch.Tensor) -> Any:
-        key = self._key(tensor)
-        if key is None:
-            return tensor
-        holder = _Held(tensor)
-        self._hold(key, holder)
-        return holder
-
-    @staticmethod
-    def unpack(packed: Any) -> torch.Tensor:
-        return packed.tensor if isinstance(packed, _Held) else packed
-
-    def hold_input(self, tensor: torch.Tensor) -> None:
-        """Count `tensor` for as long as it lives: the input a checkpointed module keeps to recompute from."""
-        key = self._key(tensor)
-        if key is not None:
-            self._hold(key, tensor)
-
-    @contextmanager
-    def recomputation(self) -> Iterator[None]:
-        """Count what a checkpointed module's recomputation in backward saves. Checkpoint's own saved-tensor hooks
-        keep those tensors (the ledger's, further out, are not called), so they are passed on to it, and counted at
-        once at the end: all of them are alive then, until the module's backward consumes them."""
-        inner = saved_tensors_hooks_in_force()
-        if inner is None:
-            yield
-            return
-        pack, unpack = inner
-        recomputed: dict[tuple[int, int], None] = {}
-
-        def counted(tensor: torch.Tensor) -> Any:
-            key = self._key(tensor)
-            if key is not None and not self._refs[key]:
-                recomputed[key] = None
-            return pack(tensor)
-
-        with torch.autograd.graph.saved_tensors_hooks(counted, unpack):
-            yield
-        self.peak = max(self.peak, self.live + sum(size for _, size in recomputed))
-
-    def _release(self, key: tuple[int, int]) -> None:
-        self._refs[key] -= 1
-        if self._refs[key] == 0:
-            del self._refs[key]
-            self.live -= key[1]
-
+from parallelkit.compat import checkpointed_submodules, recomputing
+from parallelkit.memory import SavedTensorLedger
 
 _OPEN_WINDOWS: dict[str, Any] = {}
 """The ledger and hooks that the `SavedTensorWindow`s open now share, and how many are open."""
@@ -114,7 +25,7 @@ class SavedTensorWindow:
     """
 
     def __init__(self) -> None:
-        self._ledger: _SavedTensorLedger | None = None
+        self._ledger: SavedTensorLedger | None = None
 
     def start(self, model: torch.nn.Module | None = None) -> None:
         """Open the window; with `model`, its checkpointed modules' kept inputs and recomputations count too."""
@@ -122,7 +33,7 @@ class SavedTensorWindow:
             watch_checkpointed(model)
         shared = _OPEN_WINDOWS
         if not shared:
-            ledger = _SavedTensorLedger()
+            ledger = SavedTensorLedger()
             hooks = torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack)
             hooks.__enter__()
             shared.update(ledger=ledger, hooks=hooks, open=0)
@@ -180,13 +91,6 @@ def _checkpointed_forward_ends(module: torch.nn.Module, args: tuple, output: Any
 
 
 _RECOMPUTING: dict[torch.nn.Module, Any] = {}
-
-
-class _Held:
-    __slots__ = ("tensor", "__weakref__")
-
-    def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor = tensor
 
 
 class ActivationMemoryMonitor(L.Callback):

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import resource
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -12,11 +10,11 @@ import lightning as L
 import torch
 from lightning.fabric.utilities.throughput import Throughput
 from lightning.pytorch.callbacks import ThroughputMonitor as LightningThroughputMonitor
-from torch.distributed.tensor import DTensor
 from typing_extensions import override
 
 from parallelkit.callbacks.activations import SavedTensorWindow
 from parallelkit.compat import should_accumulate, throughputs
+from parallelkit.memory import peak_rss_bytes, training_state_bytes
 from parallelkit.mesh import data_parallel_size
 from parallelkit.parallel.resolve import resolve
 
@@ -107,33 +105,6 @@ class _ReplicaThroughput(Throughput):
                 # Lightning leaves job-wide rates out for one replica; tp/pp jobs have one and still want them.
                 metrics[name] = value * (self.processes if name == "flops_per_sec" else self.world_size)
         return metrics
-
-
-def local_bytes(t: torch.Tensor) -> int:
-    """Bytes this rank holds of `t`: its local shard, and of a tensor subclass made of others (an NF4 weight: codes
-    and scales) those others' bytes."""
-    t = t.to_local() if isinstance(t, DTensor) else t
-    if hasattr(t, "__tensor_flatten__"):
-        return sum(local_bytes(getattr(t, name)) for name in t.__tensor_flatten__()[0])
-    return t.numel() * t.element_size()
-
-
-def training_state_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
-    """Bytes this rank holds of parameters, gradients and optimizer state (local shards, from storage sizes)."""
-    local = local_bytes
-
-    params = list(module.parameters())
-    total = sum(local(p) for p in params) + sum(local(p.grad) for p in params if p.grad is not None)
-    for optimizer in optimizers:
-        for state in optimizer.state.values():
-            total += sum(local(v) for v in state.values() if torch.is_tensor(v) and v.ndim > 0)
-    return total
-
-
-def peak_rss_bytes() -> int:
-    """The process's peak resident memory so far (Linux reports KiB, macOS bytes)."""
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return peak if sys.platform == "darwin" else peak * 1024
 
 
 class RankMonitor(L.Callback):

@@ -20,9 +20,9 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from parallelkit.callbacks.monitors import local_bytes
 from parallelkit.errors import ConfigError
-from parallelkit.planner import OPTIMIZER_STATES, gb
+from parallelkit.memory import gb, local_bytes
+from parallelkit.planner import OPTIMIZER_STATES
 
 
 @dataclass

@@ -16,7 +16,7 @@ from parallelkit.cli.config import parse_size, read_config
 from parallelkit.cli.lightning_cli import ParallelkitCLI
 from parallelkit.errors import ConfigError
 from parallelkit.init import meta_parameters
-from parallelkit.planner import gb
+from parallelkit.memory import gb
 
 PLAN_COLUMNS: dict[str, tuple[str, Callable[[Any], str]]] = {
     "mesh": ("mesh", str),

@@ -32,6 +32,7 @@ The parts: `records` (what the planner reads and writes: hardware, workload, the
 candidate layouts and the recommendation).
 """
 
+from parallelkit.memory import gb
 from parallelkit.planner.estimate import estimate
 from parallelkit.planner.profile import profile
 from parallelkit.planner.records import (
@@ -41,7 +42,6 @@ from parallelkit.planner.records import (
     Layer,
     ModelProfile,
     Workload,
-    gb,
     workload,
 )
 from parallelkit.planner.search import CHECKPOINTING_SEARCHED, candidates, estimate_layout, layout, recommend, workloads

@@ -13,9 +13,9 @@ from parallelkit.compat import flash_attention_on_cpu
 from parallelkit.contract import GATHERING_STYLES, SHARDING_STYLES
 from parallelkit.errors import PlanError
 from parallelkit.lora import WHOLE_UNDER, LoRALinear, wants_nf4
+from parallelkit.memory import SavedTensorLedger, nbytes, nf4_bytes
 from parallelkit.parallel.resolve import expand_tp, gathered_inside, resolve
 from parallelkit.planner.records import Layer, ModelProfile
-from parallelkit.quantize import nf4_bytes
 
 _GROUPED_MM = (getattr(torch.nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
 
@@ -48,19 +48,10 @@ class _MetaForward(torch.overrides.TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _nbytes(x: Any) -> float:
-    if isinstance(x, torch.Tensor):
-        return float(x.numel() * x.element_size())
-    if isinstance(x, (tuple, list)):
-        return sum(_nbytes(v) for v in x)
-    return 0.0
-
-
 def profile(
     model: nn.Module, seq_len: int, tp_degrees: Iterable[int] = (1,), vocab_size: int | None = None
 ) -> ModelProfile:
     """Count `model` (on the meta device) per pipeline layer, running one meta forward of one sample."""
-    from parallelkit.callbacks.activations import _SavedTensorLedger
 
     resolved = resolve(model)
     plan = resolved.plan
@@ -80,7 +71,7 @@ def profile(
         if (style in SHARDING_STYLES or style in GATHERING_STYLES) and fqn not in gathering:
             tp_modules.append((module, style))
 
-    ledger = _SavedTensorLedger()
+    ledger = SavedTensorLedger()
     marks: dict[str, list[float]] = {}
     gathered: dict[int, float] = {}
     scattered: dict[int, float] = {}
@@ -94,13 +85,13 @@ def profile(
     def leave(name: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             marks[name].append(ledger.live)
-            outputs[name] = _nbytes(output)
+            outputs[name] = nbytes(output)
 
         return hook
 
     def record(into: dict[int, float], what: str) -> Any:
         def hook(module: nn.Module, args: Any, output: Any = None) -> None:
-            into[id(module)] = _nbytes(args if what == "input" else output)
+            into[id(module)] = nbytes(args if what == "input" else output)
 
         return hook
 

@@ -148,7 +148,3 @@ class Estimate:
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "state": self.state, "tensor_peak": self.tensor_peak, "peak": self.peak}
-
-
-def gb(nbytes: float) -> str:
-    return f"{nbytes / 1e9:.2f} GB" if nbytes >= 1e8 else f"{nbytes / 1e6:.2f} MB"

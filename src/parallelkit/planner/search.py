@@ -9,12 +9,13 @@ from dataclasses import replace
 
 from torch import nn
 
+from parallelkit.memory import gb
 from parallelkit.mesh import MeshSpec
 from parallelkit.parallel.resolve import split_stages
 from parallelkit.parallel.schedule import Schedule
 from parallelkit.planner.estimate import estimate
 from parallelkit.planner.profile import profile
-from parallelkit.planner.records import Estimate, Hardware, ModelProfile, Workload, gb
+from parallelkit.planner.records import Estimate, Hardware, ModelProfile, Workload
 
 
 def _divisors(n: int) -> list[int]:

@@ -89,7 +89,8 @@ class FSDPTPStrategy(ParallelkitStrategy):
         return self._auto_plan
 
     def _plan(self, model: Any, datamodule: Any, accumulate_grad_batches: int) -> str | None:
-        from parallelkit.planner import Hardware, gb, recommend, workload
+        from parallelkit.memory import gb
+        from parallelkit.planner import Hardware, recommend, workload
 
         if is_overridden("configure_model", model):
             rank_zero_info(
