@@ -107,6 +107,7 @@ class SFTDataModule(TokenStreamDataModule):
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.train_on = train_on
+        self._said: dict[str, Any] | None = None  # the report last printed
         self.packing = packing
         self.val_fraction = val_fraction
         self.cache_dir = cache_dir
@@ -265,6 +266,9 @@ class SFTDataModule(TokenStreamDataModule):
             "train_targets": int(rows.targets.sum()),
             "fill": rows.real_tokens / max(len(rows) * self.seq_len, 1),
         }
+        if self.report == self._said:
+            return  # said once before launch (`check_launch`), in this same process
+        self._said = dict(self.report)
         cut = "truncated to" if self.overlong == "truncate" else "left out at"
         rank_zero_info(
             f"SFT data: {len(examples)} examples ({self.describe('train')}); {self.report['overlong']} longer than "
