@@ -123,3 +123,29 @@ def test_predict_from_a_checkpoint_returns_every_ranks_logits_for_its_batch(
     # Every data-parallel slice of a batch is the same size, and each appears equally often (once per tp rank).
     mean = sum(batch["loss"] for batch in batches) / len(batches)
     assert_same_losses({0: single_process_val_loss(baseline)}, {0: mean})
+
+
+def test_a_registered_strategy_name_becomes_its_class_only_when_options_follow(tmp_path):
+    """`--trainer.strategy NAME` (either spelling, or a config's `strategy: NAME`) with `--trainer.strategy.*` options
+    after it: the registry's class and arguments, after "auto" (a previous class's arguments not carried over)."""
+    import json
+
+    from parallelkit.cli.lightning_cli import strategy_name_as_class
+
+    option = "--trainer.strategy.microbatches=2"
+    config = tmp_path / "run.yaml"
+    config.write_text("trainer:\n  strategy: 1f1b\n")
+    for args in (
+        ["fit", "--trainer.strategy=1f1b", option],
+        ["fit", "--trainer.strategy", "1f1b", option],
+        ["fit", "--config", str(config), option],
+    ):
+        expanded = strategy_name_as_class(args)
+        at = expanded.index("--trainer.strategy=auto")
+        spec = json.loads(expanded[at + 1].split("=", 1)[1])
+        assert spec == {
+            "class_path": "parallelkit.strategies.pipeline.PipelineStrategy",
+            "init_args": {"schedule": "1f1b"},
+        }
+        assert expanded[at + 2 :] == [option], expanded
+    assert strategy_name_as_class(["fit", "--trainer.strategy=1f1b"]) == ["fit", "--trainer.strategy=1f1b"]

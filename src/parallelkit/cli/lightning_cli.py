@@ -204,6 +204,8 @@ def strategy_name_as_class(args: list[str]) -> list[str]:
     for index, arg in enumerate(args[:first]):
         if arg.startswith("--trainer.strategy="):
             at, name = index, arg.split("=", 1)[1]
+        elif arg == "--trainer.strategy" and index + 1 < first:  # the name as the next argument
+            at, name = index, args[index + 1]
         elif arg in ("--config", "-c") or arg.startswith("--config="):
             path = arg.split("=", 1)[1] if "=" in arg else args[index + 1] if index + 1 < first else None
             try:
@@ -222,7 +224,9 @@ def strategy_name_as_class(args: list[str]) -> list[str]:
         return args
     # "auto" first: a class given after another class keeps the arguments the two share; a name starts afresh.
     named = ["--trainer.strategy=auto", f"--trainer.strategy={spec}"]
-    return [*args[:at], *named, *args[at + 1 :]] if at is not None else [*args[:first], *named, *args[first:]]
+    if at is None:
+        return [*args[:first], *named, *args[first:]]
+    return [*args[:at], *named, *args[at + (1 if "=" in args[at] else 2) :]]
 
 
 def parse_error(message: str, parser: Any, args: Sequence[str]) -> ConfigError:
