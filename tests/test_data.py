@@ -157,7 +157,11 @@ def test_text_split_is_contiguous_and_deterministic(corpus, tmp_path):
 
 
 def test_a_directory_of_text_is_read_whole_by_default(corpus, tmp_path):
-    """A user's directory of text files, whatever their names: every file, in sorted path order."""
+    """A user's directory of text files, whatever their names: every file, in sorted path order; hidden ones (a
+    repository's .git, .DS_Store) left out."""
+    (corpus / ".git").mkdir()
+    (corpus / ".git" / "index").write_bytes(b"\x00binary")
+    (corpus / ".DS_Store").write_bytes(b"\x00")
     dm = TextDataModule(paths=str(corpus), seq_len=16, cache_dir=str(tmp_path))
     dm.setup("fit")
     stream = b"".join((corpus / name).read_bytes() for name in ("a.py", "notes.txt", "pkg/b.py"))

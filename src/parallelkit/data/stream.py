@@ -53,13 +53,18 @@ def write_atomically(target: Path, write: Callable[[IO[bytes]], T]) -> T:
 
 
 def find_files(paths: Sequence[str], pattern: str) -> list[Path]:
-    """`paths` (files, directories searched recursively for `pattern`, glob patterns) as files, resolved,
-    deduplicated and sorted: the order of a datamodule's stream. An entry matching nothing is a DataError."""
+    """`paths` (files, directories searched recursively for `pattern`, hidden entries left out; glob patterns) as
+    files, resolved, deduplicated and sorted: the order of a datamodule's stream. An entry matching nothing is a
+    DataError."""
     found: list[Path] = []
     for entry in paths:
         path = Path(entry).expanduser()
-        if path.is_dir():
-            matches = [p for p in path.rglob(pattern) if p.is_file()]
+        if path.is_dir():  # hidden files and directories (.git, .DS_Store) are not the user's text
+            matches = [
+                p
+                for p in path.rglob(pattern)
+                if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
+            ]
         elif path.is_file():
             matches = [path]
         else:
