@@ -30,13 +30,11 @@ def local_bytes(t: torch.Tensor) -> int:
 
 def training_state_bytes(module: torch.nn.Module, optimizers: list[Any]) -> int:
     """Bytes this rank holds of parameters, gradients and optimizer state (local shards, from storage sizes)."""
-    local = local_bytes
-
     params = list(module.parameters())
-    total = sum(local(p) for p in params) + sum(local(p.grad) for p in params if p.grad is not None)
+    total = sum(local_bytes(p) for p in params) + sum(local_bytes(p.grad) for p in params if p.grad is not None)
     for optimizer in optimizers:
         for state in optimizer.state.values():
-            total += sum(local(v) for v in state.values() if torch.is_tensor(v) and v.ndim > 0)
+            total += sum(local_bytes(v) for v in state.values() if torch.is_tensor(v) and v.ndim > 0)
     return total
 
 

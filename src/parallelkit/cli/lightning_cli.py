@@ -25,6 +25,7 @@ from parallelkit.cli.config import read_config
 from parallelkit.compat import parser_keys
 from parallelkit.errors import ConfigError, ParallelkitError
 from parallelkit.init import meta_parameters
+from parallelkit.mesh import data_parallel_size
 
 
 class ParallelkitCLI(LightningCLI):
@@ -174,13 +175,7 @@ class ParallelkitCLI(LightningCLI):
         # Under torchrun or SLURM every rank runs this: the ranks check their data themselves, once it is prepared.
         launching = not getattr(environment, "creates_processes_externally", False)
         if self.subcommand == "fit" and callable(check_launch) and launching:
-            strategy = self.trainer.strategy
-            replicas = (
-                strategy.mesh_spec.dp_size
-                if isinstance(strategy, ParallelkitStrategy)
-                else self.trainer.num_devices * self.trainer.num_nodes
-            )
-            check_launch(self.model, replicas, self.trainer)
+            check_launch(self.model, data_parallel_size(self.trainer.strategy), self.trainer)
         ckpt_path = self.config_init[self.subcommand].get("ckpt_path")
         sharded = isinstance(ckpt_path, str) and (Path(ckpt_path) / ".metadata").is_file()
         if sharded and not isinstance(self.trainer.strategy, ParallelkitStrategy):
