@@ -2,7 +2,7 @@
 config class, checked against transformers' own forward on one process (no launches).
 
 `python tests/hf_families.py --write` runs the sweep and writes what it found where the product reads it: the
-families whose pipeline stages equal the model's own forward (`parallelkit/models/hf_families.py`) and the README's
+families whose pipeline stages equal the model's own forward (`parallelkit/models/hf_families.py`) and the documentation's
 table. `tests/test_hf_families.py` runs the same sweep and fails when either differs from what it finds.
 """
 
@@ -20,7 +20,7 @@ import torch
 
 REPO = Path(__file__).resolve().parents[1]
 FAMILIES_MODULE = REPO / "src" / "parallelkit" / "models" / "hf_families.py"
-README = REPO / "README.md"
+FAMILIES_PAGE = REPO / "docs" / "families.md"
 TABLE_START, TABLE_END = "<!-- hf-families:start -->", "<!-- hf-families:end -->"
 
 SIZES = {
@@ -281,7 +281,7 @@ def render_families_module(rows: list[Row]) -> str:
         "What the family sweep (`tests/test_hf_families.py`) found: `HFCausalLM` runs pipelines and tensor\n"
         'parallelism for these families and refuses the others."""\n\n'
         f'GENERATED_WITH = "{version}"\n'
-        '"""The transformers version the sweep ran on (the README\'s table says what it found there)."""\n\n'
+        '"""The transformers version the sweep ran on (docs/families.md says what it found there)."""\n\n'
         f"PIPELINE_FAMILIES = (\n{pipelined},\n)\n\n"
         '"""Families whose two pipeline stages compute the model\'s own logits."""\n\n'
         f"TP_FAMILIES = (\n{split},\n)\n"
@@ -320,8 +320,8 @@ def render_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-def readme_with(table: str) -> str:
-    text = README.read_text()
+def page_with(table: str) -> str:
+    text = FAMILIES_PAGE.read_text()
     start, end = text.index(TABLE_START), text.index(TABLE_END) + len(TABLE_END)
     return text[:start] + table + text[end:]
 
@@ -343,7 +343,7 @@ def main() -> None:
         print(row, flush=True)
     if "--write" in sys.argv and not names:
         FAMILIES_MODULE.write_text(render_families_module(rows))
-        README.write_text(readme_with(render_table(rows)))
+        FAMILIES_PAGE.write_text(page_with(render_table(rows)))
 
 
 if __name__ == "__main__":

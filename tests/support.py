@@ -256,6 +256,20 @@ def fit(
     )
 
 
+def in_repo(args: list[str]) -> list[str]:
+    """A manual's command words with its `configs/...` paths made the repository's, for a test run elsewhere."""
+    return [str(REPO / arg) if arg.startswith("configs/") else arg for arg in args]
+
+
+def fit_command(args: list[str], save_dir: Path, *overrides: str, **env: str) -> subprocess.CompletedProcess:
+    """A manual's `parallelkit fit ...` command (its words after `parallelkit`: `snippets.parallelkit_args`) as
+    `fit` runs a config: its `configs/` paths from the repository, CSV logs under `save_dir`, then `overrides`."""
+    assert args[0] == "fit", args
+    args = in_repo(args)
+    at = args.index("--config")  # the first config, which `fit` gives first
+    return fit(args[at + 1], save_dir, *args[1:at], *args[at + 2 :], *overrides, **env)
+
+
 def common(corpus: Path, cache: Path, steps: int = 20) -> list[str]:
     """CLI overrides every parity run shares: a step budget, no validation, the test corpus and its cache."""
     return [

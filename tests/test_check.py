@@ -7,7 +7,8 @@ import sys
 import time
 
 import pytest
-from support import FSDP4, REPO, TESTS, assert_ok, parallelkit, run, torchrun
+from snippets import commands, parallelkit_args
+from support import FSDP4, REPO, TESTS, assert_ok, in_repo, parallelkit, run, torchrun
 
 from parallelkit.check.live import Measurement, Options, Result, axis_groups, judge
 from parallelkit.mesh import MeshSpec
@@ -31,11 +32,14 @@ def test_check_times_every_axis_of_the_configs_mesh_and_passes(tmp_path, config,
     """Launched as `fit` is, by Lightning's launcher or torchrun: exit 0 and, for every axis of size > 1, each of its
     collectives at each size with a latency and a bus bandwidth; on hybrid.yaml, tp's all-reduce of 1 MiB within 10x
     either way of a plain timed loop of the same call on the same pairs of ranks."""
+    launched = commands("check")[{"lightning": 0, "torchrun": 1}[launcher]]  # the check guide's two commands
+    assert f"configs/{config}" in launched
     if launcher == "torchrun":
-        args = ["-m", "torch.distributed.run", "--nproc-per-node=4", "--standalone", "-m", "parallelkit.cli", "check"]
-        proc = run([sys.executable, *args, "--config", str(REPO / "configs" / config), "--json", *QUICK], tmp_path)
+        assert launched[0] == "torchrun"
+        proc = run([sys.executable, "-m", "torch.distributed.run", *in_repo(launched[1:]), "--json", *QUICK], tmp_path)
     else:
-        proc, _ = check(tmp_path, config, "--json", *QUICK)
+        assert launched[0] == "parallelkit"
+        proc = parallelkit(*in_repo(launched[1:]), "--json", *QUICK, cwd=tmp_path)
     assert_ok(proc)
     result = json.loads(proc.stdout[proc.stdout.index("{\n") :])
     assert result["passed"] and not result["failures"]
@@ -87,10 +91,14 @@ def test_a_rank_on_another_kind_of_device_fails_the_check_naming_it(tmp_path):
     assert "--allow-mixed" in out
 
 
-def dry_run(tmp_path, config, *args):
-    proc = parallelkit("check", "--dry-run", "--config", str(config), "--json", *args, cwd=tmp_path)
+def dry_run_json(tmp_path, *args):
+    proc = parallelkit(*args, "--json", cwd=tmp_path)
     assert_ok(proc)
     return json.loads(proc.stdout[proc.stdout.index("{\n") :])
+
+
+def dry_run(tmp_path, config, *args):
+    return dry_run_json(tmp_path, "check", "--dry-run", "--config", str(config), *args)
 
 
 def test_dry_run_builds_every_rank_as_the_real_run_holds_it(tmp_path, fsdp4_fp32):
@@ -109,17 +117,8 @@ def test_dry_run_builds_every_rank_as_the_real_run_holds_it(tmp_path, fsdp4_fp32
 def test_dry_run_applies_the_70b_presets_3d_plan_for_a_64_rank_cluster_in_one_process(tmp_path):
     """Llama-3.1-70B on [[4, 2, 8], ["pp", "fsdp", "tp"]] (8 nodes of 8), the first rank of the first stage and the
     last rank of the last: each holds a quarter of the layers, split 16 ways; the planner's figure within 10%."""
-    args = [
-        "--trainer.strategy=1f1b",  # the README's command: a registered name and its class's options
-        '--trainer.strategy.mesh_shape=[[4, 2, 8], ["pp", "fsdp", "tp"]]',
-        "--nodes",
-        "8",
-        "--devices-per-node",
-        "8",
-        "--rank",
-        "0,63",
-    ]
-    out = dry_run(tmp_path, REPO / "configs" / "models" / "llama3_70b.yaml", *args)
+    # The check guide's command: a registered name and its class's options.
+    out = dry_run_json(tmp_path, *in_repo(parallelkit_args("check-dry-run", 0)))
     first, last = out["ranks"]
     assert out["world_size"] == 64
     assert (first["coordinates"], first["stages"]) == ({"pp": 0, "fsdp": 0, "tp": 0}, [0])
@@ -134,9 +133,7 @@ def test_dry_run_applies_the_70b_presets_3d_plan_for_a_64_rank_cluster_in_one_pr
 def test_a_presets_dry_run_plans_an_auto_mesh_for_the_clusters_device_memory(tmp_path):
     """Llama-3.1-8B's preset with fsdp_tp by its registered name and `mesh_shape: auto`, for 8 devices of 80 GB
     (`--device-memory`; this machine's memory over 8 fits no layout: test_errors.py): the planner's mesh is built."""
-    preset = REPO / "configs" / "models" / "llama3_1_8b.yaml"
-    auto = ["--trainer.strategy=fsdp_tp", "--trainer.strategy.mesh_shape=auto"]
-    out = dry_run(tmp_path, preset, *auto, "--devices-per-node", "8", "--device-memory", "80GB")
+    out = dry_run_json(tmp_path, *in_repo(parallelkit_args("check-dry-run", 1)))  # the check guide's command
     assert out["mesh"] == '[[8, 1], ["fsdp", "tp"]]' and out["world_size"] == 8
     assert out["ranks"][0]["params"] == pytest.approx(8_030_261_248 * 4 / 8, rel=0.01)  # fp32 masters, an eighth
 

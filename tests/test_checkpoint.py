@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from snippets import commands
 from support import (
     REPO,
     assert_ok,
@@ -347,7 +348,7 @@ def killed_then_restarted(tmp_path_factory, corpus):
     1. hybrid.yaml through `python -m parallelkit.cli`; rank 1 is SIGKILLed at step 7 under the default timeout
        (checkpoints every 5 steps, so `last` is step 5); the job is watched until every process is gone or
        KILLED_RANK_BOUND_S has passed, then killed whole.
-    2. The relaunch with `--ckpt_path=last`, by `torchrun --max-restarts=1` as the README says (c10d rendezvous, the
+    2. The relaunch with `--ckpt_path=last`, by `torchrun --max-restarts=1` as the checkpoints guide says (c10d rendezvous, the
        rendezvous store not shared with the process group: torch 2.13 with gloo otherwise hands a restarted worker
        the previous attempt's peer addresses, "Gloo connectFullMesh failed ... Connection refused";
        pytorch/pytorch#135712). Its first attempt resumes from step 5 and trains steps 5-9 (checkpointing every 4:
@@ -370,28 +371,31 @@ def killed_then_restarted(tmp_path_factory, corpus):
         ended_after = time.time() - killed_at
         left_running = job.session()
         returncode = job.poll()
+    # The relaunch command of docs/guides/checkpoints.md, at this job's scale.
+    ((variable, launcher, *command),) = commands("torchrun-restarts")
+    assert (variable, launcher) == ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun")
+    scale = {
+        "--nproc-per-node=4": "--nproc-per-node=2",
+        "--max-restarts=3": "--max-restarts=1",
+        # the rendezvous store binds a free port itself: none chosen here to lose
+        "--rdzv-endpoint=127.0.0.1:29500": "--rdzv-endpoint=127.0.0.1:0",
+        "configs/hybrid.yaml": str(REPO / "configs" / "hybrid.yaml"),
+        "--trainer.callbacks.every_n_train_steps=50": "--trainer.callbacks.every_n_train_steps=4",
+    }
+    assert set(scale) <= set(command), command
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc-per-node=2",
-        "--max-restarts=1",
-        "--rdzv-backend=c10d",
-        "--rdzv-endpoint=127.0.0.1:0",  # the rendezvous store binds a free port itself: none chosen here to lose
-        "-m",
-        "parallelkit.cli",
-        "fit",
-        "--config",
-        str(REPO / "configs" / "hybrid.yaml"),
+        *(scale.get(word, word) for word in command),
+        f"--trainer.callbacks.dirpath={ckpt}",  # the ModelCheckpoint the command adds: where the first run saved
         *common(corpus, root / "cache"),
         f"--trainer.logger.init_args.save_dir={root / 'relaunch'}",
         "--trainer.logger.init_args.flush_logs_every_n_steps=1",
         "--trainer.enable_progress_bar=false",
         "--trainer.strategy.timeout=30",
         *FSDP2,
-        checkpoint_every(ckpt, 4, last=True),
         callback("models.CrashOnce", step=10, marker=str(crashed)),
-        "--ckpt_path=last",
     ]
     relaunch = run(cmd, root, timeout=600, TORCH_DISABLE_SHARE_RDZV_TCP_STORE="1")
     return KilledThenRestarted(
@@ -641,7 +645,7 @@ def test_sigterm_with_a_background_write_in_flight_waits_for_it_and_its_checkpoi
 
 def test_torchrun_max_restarts_relaunches_a_crashed_job_from_the_last_checkpoint(straight_fsdp2, killed_then_restarted):
     """Rank 1 dies at step 10; torchrun restarts both workers, which resume from the step-8 checkpoint and finish
-    with the uninterrupted run's losses. Launched as the README says (see `killed_then_restarted`: this is its
+    with the uninterrupted run's losses. Launched as the checkpoints guide says (see `killed_then_restarted`: this is its
     relaunch, whose first attempt resumed the killed-rank job's step-5 checkpoint)."""
     straight = straight_fsdp2
     job = killed_then_restarted

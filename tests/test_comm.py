@@ -3,7 +3,8 @@
 import pytest
 import torch
 import torch.distributed as dist
-from support import assert_ok, assert_same_losses, callback, fit, step_losses
+from snippets import parallelkit_args
+from support import assert_ok, assert_same_losses, callback, fit, fit_command, step_losses
 from support import common as run_args
 from test_plugins import install_fake_distribution
 
@@ -11,11 +12,6 @@ from parallelkit.comm.int8 import Int8ReduceScatter
 from parallelkit.models import GPT
 from parallelkit.parallel import resolve
 
-FSDP4 = [
-    '--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]',
-    "--trainer.devices=4",
-    "--data.init_args.batch_size=2",
-]
 HSDP = [
     '--trainer.strategy.mesh_shape=[[2, 2], ["replicate", "fsdp"]]',
     "--trainer.devices=4",
@@ -41,15 +37,19 @@ FSDP2 = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus, fsdp4_fp32):
-    """[[4, 1]] runs under fp32, fp16 and int8 for 20 steps; bf16 for 20 under HSDP [[2, 2]] (replicate x fsdp),
+    """[[4, 1]] runs under fp32, fp16 and int8 for 20 steps (fp16 and int8: the communication guide's commands on
+    configs/comm_bf16.yaml); bf16 for 20 under HSDP [[2, 2]] (replicate x fsdp),
     which reduce-scatters the same full gradient and all-reduces its shard over replicate too (fp32 under HSDP gives
     [[4, 1]]'s losses within ~1e-6); int8 under HSDP for 3 steps: each run's CSV log directory, by name. The fp32 run
     is the session's `fsdp4_fp32` (shared with test_fsdp_tp.py)."""
     root = tmp_path_factory.mktemp("comm")
     made = {"fp32_20": fsdp4_fp32}
+    for index, (name, hook) in enumerate((("fp16_20", "fp16"), ("int8_20", "int8"))):  # the guide's commands
+        args = parallelkit_args("comm-hooks", index)
+        assert f"--trainer.strategy.comm_precision={hook}" in args
+        assert_ok(fit_command(args, root / name, *common(corpus, root / "cache", 20)))
+        made[name] = root / name
     for name, hook, steps, layout in (
-        ("fp16_20", "fp16", 20, FSDP4),
-        ("int8_20", "int8", 20, FSDP4),
         ("bf16_hsdp_20", "bf16", 20, HSDP),
         ("int8_hsdp_3", "int8", 3, HSDP),
     ):

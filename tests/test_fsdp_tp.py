@@ -7,6 +7,7 @@ from copy import deepcopy
 import pytest
 import torch
 import yaml
+from snippets import commands, parallelkit_args
 from support import (
     REPO,
     assert_ok,
@@ -15,6 +16,7 @@ from support import (
     checkpoint_every,
     common,
     fit,
+    fit_command,
     free_port,
     step_losses,
     torchrun,
@@ -169,9 +171,11 @@ def counted(forward, calls: list[int], index: int):
 
 
 def test_user_model_with_its_own_plan_matches_single_process_on_2x2(tmp_path, corpus):
-    model = ["--model=models.TinyMixer", *common(corpus, tmp_path / "cache")]
-    assert_ok(fit("single.yaml", tmp_path / "single", *model))
-    assert_ok(fit("hybrid.yaml", tmp_path / "hybrid", *model))
+    """The guide's two commands (docs/guides/your-model.md) on a model of the user's with a plan of its own."""
+    single, hybrid = (parallelkit_args("your-model-on-a-mesh", i, **{"my_models.MyModel": "models.TinyMixer"}) for i in (0, 1))
+    shared = common(corpus, tmp_path / "cache")
+    assert_ok(fit_command(single, tmp_path / "single", *shared))
+    assert_ok(fit_command(hybrid, tmp_path / "hybrid", *shared))
     single, hybrid = step_losses(tmp_path / "single"), step_losses(tmp_path / "hybrid")
     assert_same_losses(single, hybrid)
     assert hybrid[STEPS - 1] < hybrid[0]
@@ -235,15 +239,14 @@ def test_hsdp_on_two_torchrun_nodes_matches_single_process(tmp_path, corpus, bas
     """Two launchers on this machine act as two nodes of 2 processes, as a cluster would start them. Compared with
     the session's single-process run of the same 20 steps."""
     port = free_port()
+    (launcher, *command), *_ = commands("multi-node-torchrun", NODE0_ADDR="127.0.0.1")  # the guide's, on one machine
+    assert launcher == "torchrun"
+    words = {"--node-rank=0": "--node-rank={node}", "--master-port=29500": f"--master-port={port}"}
+    command = [words.get(word, str(REPO / word) if word.startswith("configs/") else word) for word in command]
     args = [
-        "fit",
-        "--config",
-        str(REPO / "configs" / "hsdp.yaml"),
         *common(corpus, tmp_path / "cache"),
         f"--trainer.logger.init_args.save_dir={tmp_path / 'hsdp'}",
         "--trainer.enable_progress_bar=false",
-        "--trainer.num_nodes=2",
-        "--trainer.devices=2",
     ]
     import subprocess
 
@@ -251,19 +254,7 @@ def test_hsdp_on_two_torchrun_nodes_matches_single_process(tmp_path, corpus, bas
 
     nodes = [
         subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "torch.distributed.run",
-                "--nnodes=2",
-                f"--node-rank={node}",
-                "--nproc-per-node=2",
-                "--master-addr=127.0.0.1",
-                f"--master-port={port}",
-                "-m",
-                "parallelkit.cli",
-                *args,
-            ],
+            [sys.executable, "-m", "torch.distributed.run", *(word.format(node=node) for word in command), *args],
             cwd=tmp_path,
             env=subprocess_env(),
             stdout=subprocess.PIPE,

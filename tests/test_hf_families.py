@@ -13,7 +13,7 @@ from support import REPO, assert_ok, assert_same_losses, common, fit, made_once,
 from parallelkit.models.hf_families import GENERATED_WITH, PIPELINE_FAMILIES, TP_FAMILIES
 
 
-def test_every_family_gives_transformers_own_logits_or_is_refused_and_the_readme_says_which(tmp_path):
+def test_every_family_gives_transformers_own_logits_or_is_refused_and_the_families_page_says_which(tmp_path):
     rows = hf_families.with_tp_checked(hf_families.sweep(), tmp_path / "tp.json")  # one launch of 2 processes
     errors = [row.error for row in rows if row.error]
     assert not errors, "HFCausalLM differs from transformers' own model:\n" + "\n".join(errors)
@@ -26,11 +26,11 @@ def test_every_family_gives_transformers_own_logits_or_is_refused_and_the_readme
     split = tuple(row.family for row in rows if row.tp == "yes")
     failing = [family for family in TP_FAMILIES if family in registered and family not in split]
     assert not failing, f"families HFCausalLM splits tp whose two processes no longer give one's: {failing}"
-    if transformers.__version__ == GENERATED_WITH:  # what the README states is for the version it names
+    if transformers.__version__ == GENERATED_WITH:  # what docs/families.md states is for the version it names
         regenerate = "the sweep found something else: python tests/hf_families.py --write, and review the diff"
         assert pipelined == PIPELINE_FAMILIES, regenerate
         assert split == TP_FAMILIES, regenerate
-        assert hf_families.render_table(rows) in (REPO / "README.md").read_text(), regenerate
+        assert hf_families.render_table(rows) in (REPO / "docs" / "families.md").read_text(), regenerate
 
 
 FAMILIES = {

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import REPO, assert_ok, assert_same_losses, common, fit, step_losses
+from snippets import parallelkit_args
+from support import assert_ok, assert_same_losses, common, fit, fit_command, step_losses
 
 # The configs' model (configs/hybrid.yaml) and batch, for the hand counts below.
 N_LAYER, N_EMBD, VOCAB, MLP_RATIO, SEQ_LEN, BATCH = 2, 64, 256, 4, 64, 4
@@ -27,20 +28,16 @@ def tp2(tmp_path_factory, corpus) -> Path:
 @pytest.fixture(scope="module")
 def dp2(tmp_path_factory, corpus) -> Path:
     """hybrid.yaml on [[2, 1]]: two data-parallel replicas, each with its own batch. Rank 1 is made a straggler
-    (it sleeps SLOW_RANK_S in every step, after the step's last collective), and torch's profiler is on."""
+    (it sleeps SLOW_RANK_S in every step, after the step's last collective), and torch's profiler is on: the
+    monitoring guide's profiler command (its traces under `prof/` of the run's directory)."""
     root = tmp_path_factory.mktemp("monitors_dp2")
     mesh = ['--trainer.strategy.mesh_shape=[[2, 1], ["fsdp", "tp"]]', "--trainer.devices=2"]
-    profiler = [
-        "--trainer.profiler=lightning.pytorch.profilers.PyTorchProfiler",
-        f"--trainer.profiler.dirpath={root / 'prof'}",
-        "--trainer.profiler.filename=trace",
-        "--trainer.profiler.export_to_chrome=true",
-    ]
     slow = (
         '--trainer.callbacks+={"class_path": "monitor_callbacks.SlowRank", '
         f'"init_args": {{"rank": 1, "seconds": {SLOW_RANK_S}}}}}'
     )
-    assert_ok(fit("hybrid.yaml", root, *common(corpus, root / "cache", steps=STEPS), *mesh, *profiler, slow))
+    profiled = parallelkit_args("profiler")
+    assert_ok(fit_command(profiled, root, *common(corpus, root / "cache", steps=STEPS), *mesh, slow))
     return root
 
 
@@ -179,9 +176,10 @@ def test_wandb_offline_run_records_the_loss_and_the_parallel_layout(tmp_path, co
         "--trainer.devices=2",
         "--data.init_args.batch_size=8",
     ]
-    wandb = ["--config", str(REPO / "configs" / "wandb.yaml"), f"--trainer.logger.init_args.save_dir={tmp_path}"]
+    wandb = parallelkit_args("wandb")  # the monitoring guide's command
     env = {"WANDB_MODE": "", "WANDB_API_KEY": "", "HOME": str(tmp_path)}  # no account: no key, no ~/.netrc
-    assert_ok(fit("hybrid.yaml", tmp_path, *wandb, *common(corpus, tmp_path / "cache", steps=5), *mesh, **env))
+    save_dir = f"--trainer.logger.init_args.save_dir={tmp_path}"  # wandb.yaml's logger's
+    assert_ok(fit_command(wandb, tmp_path, save_dir, *common(corpus, tmp_path / "cache", steps=5), *mesh, **env))
     (run_file,) = tmp_path.glob("wandb/offline-run-*/run-*.wandb")
     losses, config = {}, {}
     for record in wandb_records(run_file):

@@ -2,7 +2,8 @@
 
 import pytest
 import torch
-from support import assert_ok, assert_same_losses, common, fit, script, step_losses
+from snippets import parallelkit_args
+from support import assert_ok, assert_same_losses, common, fit, fit_command, script, step_losses
 from torch import nn
 
 from parallelkit import PipelineStrategy
@@ -168,18 +169,12 @@ def test_pipelined_validation_gives_the_single_process_val_loss(tmp_path, corpus
 
 
 def test_1f1b_holds_fewer_activations_than_gpipe_at_pp2_m8(tmp_path, corpus):
+    """The pipelines guide's two commands."""
     peaks = {}
-    for schedule in ("gpipe", "1f1b"):
-        assert_ok(
-            fit(
-                f"{schedule}.yaml",
-                tmp_path / schedule,
-                *common(corpus, tmp_path / "cache"),
-                "--trainer.max_steps=3",
-                "--trainer.strategy.microbatches=8",
-                "--trainer.callbacks+=parallelkit.callbacks.ActivationMemoryMonitor",
-            )
-        )
+    for index, schedule in enumerate(("gpipe", "1f1b")):
+        args = parallelkit_args("gpipe-vs-1f1b", index)
+        assert f"configs/{schedule}.yaml" in args
+        assert_ok(fit_command(args, tmp_path / schedule, *common(corpus, tmp_path / "cache"), "--trainer.max_steps=3"))
         peaks[schedule] = max(step_losses(tmp_path / schedule, "activation_peak_mb").values())
     # Stage 0 keeps all 8 microbatches' activations under GPipe, at most pp=2 in flight under 1F1B.
     assert peaks["1f1b"] < 0.5 * peaks["gpipe"], peaks

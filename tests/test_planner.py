@@ -7,7 +7,8 @@ from dataclasses import replace
 import pytest
 import torch
 from rich.text import Text
-from support import REPO, assert_ok, common, fit, parallelkit, step_losses
+from snippets import parallelkit_args
+from support import REPO, assert_ok, common, fit, in_repo, parallelkit, step_losses
 
 from parallelkit.callbacks.activations import SavedTensorWindow
 from parallelkit.cli.plan import PLAN_COLUMNS, PLAN_TABLE_OMITS
@@ -209,14 +210,14 @@ def test_70b_on_four_nodes_of_eight_80gb_devices_recommends_a_layout_that_fits()
 
 
 def test_plan_command_prints_every_mesh_and_the_recommendation(tmp_path):
-    args = ["plan", "--config", str(REPO / "configs" / "gpt70b.yaml"), "--nodes", "4", "--devices-per-node", "8"]
+    args = in_repo(parallelkit_args("plan-70b"))  # the planning guide's command
     named = ("--trainer.strategy=fsdp_tp", "--trainer.strategy.meta_init=true")  # a registered name takes options
-    table = parallelkit(*args, "--device-memory", "80GB", *named, cwd=tmp_path)
+    table = parallelkit(*args, *named, cwd=tmp_path)
     assert_ok(table)
     assert "recommended: " in table.stdout and "<- recommended" in table.stdout
     for mesh in ('[[32, 1], ["fsdp", "tp"]]', '[[4, 1, 8], ["replicate", "fsdp", "tp"]]', '["pp", "fsdp", "tp"]'):
         assert mesh in table.stdout
-    proc = parallelkit(*args, "--device-memory", "80GB", "--json", cwd=tmp_path)
+    proc = parallelkit(*args, "--json", cwd=tmp_path)
     assert_ok(proc)
     report = json.loads(proc.stdout)
     assert report["recommended"]["fits"] and report["recommended"]["peak"] <= 80e9
