@@ -12,9 +12,9 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from snippets import parallelkit_args
 from support import (
     CORPUS_CHARS,
-    FSDP4,
     SINGLE_PROCESS,
     Reference,
     assert_ok,
@@ -22,6 +22,7 @@ from support import (
     checkpoint_every,
     common,
     fit,
+    fit_command,
     made_once,
 )
 
@@ -117,11 +118,11 @@ def fsdp4_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
 
     def make(root: Path) -> None:
         assert_ok(
-            fit(
-                "hybrid.yaml",
+            fit_command(
+                parallelkit_args("three-ways-in", 1),  # the README's [[4, 1]] command
                 root,
                 *common(corpus, root / "cache"),
-                *FSDP4,
+                "--data.init_args.batch_size=2",  # the global batch of 8 over 4 ranks
                 "--trainer.strategy.comm_precision=fp32",
                 "--trainer.strategy.profile_communication=true",
                 callback("models.StateBytes", out_dir=str(root / "state")),

@@ -2,8 +2,9 @@
 config class, checked against transformers' own forward on one process (no launches).
 
 `python tests/hf_families.py --write` runs the sweep and writes what it found where the product reads it: the
-families whose pipeline stages equal the model's own forward (`parallelkit/models/hf_families.py`) and the documentation's
-table. `tests/test_hf_families.py` runs the same sweep and fails when either differs from what it finds.
+families whose pipeline stages equal the model's own forward (`parallelkit/models/hf_families.py`) and
+docs/families.md's table. `tests/test_hf_families.py` runs the same sweep and fails when either differs from what
+it finds.
 """
 
 from __future__ import annotations

@@ -297,8 +297,15 @@ def callback(class_path: str, **init_args: object) -> str:
 FIRST_BATCH = callback("models.FirstBatch", out_dir="first_batch")
 """Rank 0's first training batch written under the run's cwd (a `reference` run's `log`): `assert_own_tokenizer`."""
 
-TOKENIZED = "--data=parallelkit.data.TokenizedDataModule"
-"""The README's fine-tuning commands' data: text tokenized by the model's own tokenizer (its pretrained directory's)."""
+
+def guide_command(name: str, config: str, pretrained: Path, *overrides: str) -> tuple[str, ...]:
+    """The overrides of a guide's fine-tuning command (snippet `name`: `parallelkit fit --config CONFIG ...` on
+    `/data/Llama-3.2-1B` and `/data/my_text`) for `pretrained`, without its text: the caller gives the suite's."""
+    from snippets import parallelkit_args
+
+    command, flag, named, *args = parallelkit_args(name, 0, **{"/data/Llama-3.2-1B": str(pretrained)})
+    assert (command, flag, named) == ("fit", "--config", config), (command, flag, named)
+    return (*(arg for arg in args if arg != "--data.init_args.paths=/data/my_text"), *overrides)
 
 
 def assert_own_tokenizer(log: Path, model_dir: Path, corpus: Path, seq_len: int) -> None:

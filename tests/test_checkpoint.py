@@ -348,9 +348,9 @@ def killed_then_restarted(tmp_path_factory, corpus):
     1. hybrid.yaml through `python -m parallelkit.cli`; rank 1 is SIGKILLed at step 7 under the default timeout
        (checkpoints every 5 steps, so `last` is step 5); the job is watched until every process is gone or
        KILLED_RANK_BOUND_S has passed, then killed whole.
-    2. The relaunch with `--ckpt_path=last`, by `torchrun --max-restarts=1` as the checkpoints guide says (c10d rendezvous, the
-       rendezvous store not shared with the process group: torch 2.13 with gloo otherwise hands a restarted worker
-       the previous attempt's peer addresses, "Gloo connectFullMesh failed ... Connection refused";
+    2. The relaunch with `--ckpt_path=last`, by `torchrun --max-restarts=1` as the checkpoints guide says (c10d
+       rendezvous, the rendezvous store not shared with the process group: torch 2.13 with gloo otherwise hands a
+       restarted worker the previous attempt's peer addresses, "Gloo connectFullMesh failed ... Connection refused";
        pytorch/pytorch#135712). Its first attempt resumes from step 5 and trains steps 5-9 (checkpointing every 4:
        step 8); rank 1 dies at step 10; torchrun restarts both workers, which resume from step 8 and finish. The
        CSV logger writes every step, so the first attempt's steps are on disk when it is killed.
@@ -645,8 +645,8 @@ def test_sigterm_with_a_background_write_in_flight_waits_for_it_and_its_checkpoi
 
 def test_torchrun_max_restarts_relaunches_a_crashed_job_from_the_last_checkpoint(straight_fsdp2, killed_then_restarted):
     """Rank 1 dies at step 10; torchrun restarts both workers, which resume from the step-8 checkpoint and finish
-    with the uninterrupted run's losses. Launched as the checkpoints guide says (see `killed_then_restarted`: this is its
-    relaunch, whose first attempt resumed the killed-rank job's step-5 checkpoint)."""
+    with the uninterrupted run's losses. Launched as the checkpoints guide says (see `killed_then_restarted`: this is
+    its relaunch, whose first attempt resumed the killed-rank job's step-5 checkpoint)."""
     straight = straight_fsdp2
     job = killed_then_restarted
     assert_ok(job.relaunch)

@@ -4,6 +4,7 @@ or parsed by a test or marked illustrative, every test they name a test that exi
 from __future__ import annotations
 
 import ast
+import os
 import re
 import subprocess
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from snippets import PAGES, REPO, Block, blocks, commands, snippet
-from support import assert_ok, parallelkit
+from support import assert_ok, launch, parallelkit
 
 TEST_FILES = (*sorted((REPO / "tests").glob("*.py")), *sorted((REPO / "plugins").glob("*/tests/*.py")))
 READS = re.compile(r"""\b(?:snippet|commands|parallelkit_args)\(\s*["']([\w.-]+)["']""")
@@ -29,7 +30,9 @@ def test_every_fenced_block_is_exercised_by_a_test_or_marked_illustrative_with_i
     bare = [block.where for block in found if not block.label]
     assert not bare, f"marks without a name or a reason: {bare}"
     named = [block.label for block in found if block.kind == "snippet"]
-    assert len(named) == len(set(named)), f"snippet names used twice: {sorted({n for n in named if named.count(n) > 1})}"
+    assert len(named) == len(set(named)), (
+        f"snippet names used twice: {sorted({n for n in named if named.count(n) > 1})}"
+    )
     read = {name for path in TEST_FILES for name in READS.findall(path.read_text())}
     parsed_here = {block.label for block in yaml_blocks()}
     unread = [block.where for block in found if block.kind == "snippet" and block.label not in read | parsed_here]
@@ -40,7 +43,8 @@ def test_the_block_finder_reads_marks_indented_blocks_and_commands(tmp_path):
     page = tmp_path / "page.md"
     page.write_text(
         "text\n\n<!-- snippet: one -->\n```bash\nparallelkit fit \\\n  --a=1  # why\nx && y\n```\n\n"
-        "- item\n\n  <!-- illustrative: needs a cluster -->\n  ```bash\n  srun parallelkit fit\n  ```\n\n```\nbare\n```\n"
+        "- item\n\n  <!-- illustrative: needs a cluster -->\n  ```bash\n  srun parallelkit fit\n  ```\n\n"
+        "```\nbare\n```\n"
     )
     one, two, three = blocks((page,))
     assert (one.kind, one.label, one.lang, one.line) == ("snippet", "one", "bash", 4)
@@ -82,6 +86,18 @@ def test_the_python_api_block_builds_trainers_by_name_and_by_class():
     exec(snippet("python-api").text, scope)
     assert isinstance(scope["by_name"].strategy, parallelkit.FSDPTPStrategy)
     assert scope["by_class"].strategy.mesh_shape == [[2, 2], ["fsdp", "tp"]]
+
+
+def test_the_hugging_face_python_block_trains_a_qwen3_in_1f1b_on_two_processes(tmp_path):
+    """The guide's script as a user runs it (`python script.py`: Lightning's launcher starts the second rank), at 3
+    steps instead of 20; the default data is the standard library's text."""
+    text = snippet("hf-python").text
+    assert "max_steps=20" in text
+    script = tmp_path / "train.py"
+    script.write_text(text.replace("max_steps=20", "max_steps=3, log_every_n_steps=1, enable_progress_bar=False"))
+    assert_ok(launch([], cwd=tmp_path, script=str(script)).result(600))
+    (metrics,) = tmp_path.glob("lightning_logs/version_0/metrics.csv")
+    assert "train_loss" in metrics.read_text()
 
 
 def test_the_model_contract_block_is_the_reference_gpts_declaration():
@@ -137,7 +153,9 @@ def test_every_test_the_readme_and_docs_name_exists():
 
 
 def test_each_guide_names_the_tests_that_pin_what_it_shows():
-    unpinned = [page.name for page in sorted((REPO / "docs" / "guides").glob("*.md")) if not named_tests(page.read_text())]
+    unpinned = [
+        page.name for page in sorted((REPO / "docs" / "guides").glob("*.md")) if not named_tests(page.read_text())
+    ]
     assert not unpinned, f"guides that name no test: {unpinned}"
 
 
@@ -146,6 +164,7 @@ def test_the_site_builds_with_strict_checks(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
         cwd=REPO,
+        env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},
         capture_output=True,
         text=True,
         timeout=300,

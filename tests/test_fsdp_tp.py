@@ -103,9 +103,12 @@ def test_preset_by_registered_name_matches_single_process_losses(
     tmp_path, corpus, baselines, preset, devices, batch_size, axis
 ):
     """`--trainer.strategy=<preset>` replaces the config's strategy with the registered name's defaults: every
-    process on one axis (fsdp2: [[-1], ["fsdp"]], tp: [[-1], ["tp"]])."""
-    size = ["--trainer.strategy=" + preset, f"--trainer.devices={devices}", f"--data.init_args.batch_size={batch_size}"]
-    assert_ok(fit("hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache"), *size))
+    process on one axis (fsdp2: [[-1], ["fsdp"]], tp: [[-1], ["tp"]]). fsdp2's is the README's command."""
+    command = parallelkit_args("three-ways-in", 2)
+    assert command[-1] == "--trainer.strategy=fsdp2"
+    command[-1] = f"--trainer.strategy={preset}"
+    size = [f"--trainer.devices={devices}", f"--data.init_args.batch_size={batch_size}"]
+    assert_ok(fit_command(command, tmp_path, *common(corpus, tmp_path / "cache"), *size))
     assert_same_losses(baselines["plain"], step_losses(tmp_path))
     (hparams,) = tmp_path.rglob("hparams.yaml")
     layout = yaml.safe_load(hparams.read_text())["parallel"]
@@ -120,14 +123,8 @@ def test_full_activation_checkpointing_recomputes_every_block_with_the_same_loss
     layout's without it. That run is the shared reference run of hybrid.yaml, held to parity here too."""
     plain = reference("hybrid.yaml")
     assert_same_losses(baselines["plain"], plain.losses())
-    assert_ok(
-        fit(
-            "hybrid.yaml",
-            tmp_path,
-            *common(corpus, tmp_path / "cache"),
-            "--trainer.strategy.activation_checkpointing=full",
-        )
-    )
+    recompute = parallelkit_args("long-sequences-checkpointing")  # the long-sequences guide's command
+    assert_ok(fit_command(recompute, tmp_path, *common(corpus, tmp_path / "cache")))
     assert_same_losses(baselines["plain"], step_losses(tmp_path))
     off = max(plain.losses("memory/activations_mb").values())
     on = max(step_losses(tmp_path, "memory/activations_mb").values())
@@ -172,7 +169,9 @@ def counted(forward, calls: list[int], index: int):
 
 def test_user_model_with_its_own_plan_matches_single_process_on_2x2(tmp_path, corpus):
     """The guide's two commands (docs/guides/your-model.md) on a model of the user's with a plan of its own."""
-    single, hybrid = (parallelkit_args("your-model-on-a-mesh", i, **{"my_models.MyModel": "models.TinyMixer"}) for i in (0, 1))
+    single, hybrid = (
+        parallelkit_args("your-model-on-a-mesh", i, **{"my_models.MyModel": "models.TinyMixer"}) for i in (0, 1)
+    )
     shared = common(corpus, tmp_path / "cache")
     assert_ok(fit_command(single, tmp_path / "single", *shared))
     assert_ok(fit_command(hybrid, tmp_path / "hybrid", *shared))

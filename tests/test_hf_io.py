@@ -9,7 +9,8 @@ import torch
 import yaml
 from models import TINY_LLAMA
 from safetensors import safe_open
-from support import REPO, assert_ok, assert_same_losses, common, fit, parallelkit, step_losses
+from snippets import parallelkit_args, snippet
+from support import REPO, assert_ok, assert_same_losses, common, fit, fit_command, parallelkit, step_losses
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from parallelkit.checkpoint import consolidate
@@ -181,16 +182,14 @@ def tokenizer_and_model(directory: Path, corpus: Path) -> None:
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
 
 
-def test_the_readme_fine_tune_runs_end_to_end_and_transformers_loads_the_result(tmp_path, corpus):
-    """configs/finetune.yaml with only the pretrained directory and the text given: the model's own tokenizer
-    tokenizes the text, the weights load sharded, and export-hf hands back a directory transformers loads whole,
-    tokenizer included."""
-    base = tmp_path / "base"
+def test_the_guides_fine_tune_runs_end_to_end_and_transformers_loads_the_result(tmp_path, corpus):
+    """The Hugging Face guide's fine-tuning: configs/finetune.yaml with only the pretrained directory and the text
+    given (the model's own tokenizer tokenizes the text, the weights load sharded), export-hf, and the guide's Python
+    loading the result whole, tokenizer included."""
+    base, out, run = tmp_path / "base", tmp_path / "tuned", tmp_path / "run"
     tokenizer_and_model(base, corpus)
-    run = tmp_path / "run"
+    place = {"/data/Llama-3.2-1B-tuned": str(out), "/data/Llama-3.2-1B": str(base), "/data/my_text": str(corpus)}
     overrides = [
-        f"--model.init_args.pretrained={base}",
-        f"--data.init_args.paths={corpus}",
         f"--data.init_args.cache_dir={tmp_path / 'cache'}",
         "--data.init_args.seq_len=64",
         "--trainer.devices=2",
@@ -198,13 +197,14 @@ def test_the_readme_fine_tune_runs_end_to_end_and_transformers_loads_the_result(
         "--trainer.limit_val_batches=0",
         "--trainer.callbacks.init_args.every_n_train_steps=2",
     ]
-    assert_ok(fit("finetune.yaml", run, *overrides))
+    assert_ok(fit_command(parallelkit_args("hf-finetune", 0, **place), run, *overrides))
     assert sorted(step_losses(run)) == [0, 1, 2, 3]  # 4 steps at the config's fine-tuning rate: weights move a little
-    out = tmp_path / "tuned"
-    assert_ok(parallelkit("export-hf", str(run / "runs/finetune/checkpoints/last.ckpt"), str(out), cwd=tmp_path))
+    assert_ok(parallelkit(*parallelkit_args("hf-finetune", 1, **place), cwd=run))
     from transformers import AutoTokenizer
 
-    tokenizer, original = AutoTokenizer.from_pretrained(out), AutoTokenizer.from_pretrained(base)
+    loaded: dict = {}
+    exec(snippet("hf-load").text.replace("/data/Llama-3.2-1B-tuned", str(out)), loaded)
+    tokenizer, original = loaded["tokenizer"], AutoTokenizer.from_pretrained(base)
     assert tokenizer("def main():")["input_ids"] == original("def main():")["input_ids"]
-    tuned, before = AutoModelForCausalLM.from_pretrained(out), AutoModelForCausalLM.from_pretrained(base)
+    tuned, before = loaded["model"], AutoModelForCausalLM.from_pretrained(base)
     assert not torch.equal(tuned.model.layers[0].mlp.up_proj.weight, before.model.layers[0].mlp.up_proj.weight)

@@ -7,15 +7,16 @@ import json
 import pytest
 import torch
 from models import TINY_LLAMA
+from snippets import parallelkit_args, snippet
 from support import (
     FIRST_BATCH,
-    TOKENIZED,
     assert_ok,
     assert_own_tokenizer,
     assert_same_losses,
     callback,
     common,
     fit,
+    guide_command,
     parallelkit,
     step_losses,
 )
@@ -47,8 +48,9 @@ def state_dir(tmp_path_factory):
 
 
 def from_base(pretrained, *overrides: str) -> tuple[str, ...]:
-    """The README's command for a user's own model: its directory, its tokenizer on the text."""
-    return ("--model.init_args.config=null", f"--model.init_args.pretrained={pretrained}", TOKENIZED, *overrides)
+    """The guide's command for a user's own model (docs/guides/lora-qlora.md): its directory, its tokenizer on the
+    text. The text is the suite's corpus, which `reference` gives after these."""
+    return guide_command("lora-finetune", "configs/lora.yaml", pretrained, *overrides)
 
 
 def mesh(shape: str, devices: int, batch_size: int, *extra: str) -> tuple[str, ...]:
@@ -85,8 +87,8 @@ def lora_run(reference, pretrained, state_dir, name: str):
     return reference(CONFIG, *from_base(pretrained, *LAYOUTS[name], *extra))
 
 
-def test_the_readme_command_feeds_a_users_model_its_own_tokenizer(corpus, reference, pretrained):
-    """README's LoRA command on a user's `save_pretrained` directory (tokenizer included): the first batch is that
+def test_the_guides_command_feeds_a_users_model_its_own_tokenizer(corpus, reference, pretrained):
+    """The guide's LoRA command on a user's `save_pretrained` directory (tokenizer included): the first batch is that
     tokenizer's encoding of the text (the byte-level TextDataModule of configs/lora.yaml is refused for such a model
     before launch: test_errors.py)."""
     assert_own_tokenizer(lora_run(reference, pretrained, None, "2x2").log, pretrained, corpus, seq_len=64)
@@ -197,22 +199,32 @@ def test_exported_adapters_load_with_peft_and_the_merged_model_with_transformers
     """The [[2, 2]] run's step-10 adapters: `export-hf --adapters` writes PEFT's format, which
     `PeftModel.from_pretrained` puts on the base model; `export-hf` merges them into the base weights. Both give
     the logits of parallelkit's model holding those adapters, within 1e-5."""
-    from peft import PeftModel
-
     ckpt = lora_run(reference, pretrained, None, "2x2").checkpoint
-    assert_ok(parallelkit("export-hf", str(ckpt), str(tmp_path / "adapters"), "--adapters", cwd=tmp_path))
-    assert_ok(parallelkit("export-hf", str(ckpt), str(tmp_path / "merged"), cwd=tmp_path))
+    place = {
+        "runs/lora/checkpoints/last.ckpt": str(ckpt),  # its step-10 checkpoint
+        "/data/my-adapter": str(tmp_path / "adapters"),
+        "/data/Llama-3.2-1B-merged": str(tmp_path / "merged"),
+        "/data/Llama-3.2-1B": str(pretrained),
+    }
+    for index in (1, 2):  # the guide's two exports
+        assert_ok(parallelkit(*parallelkit_args("lora-finetune", index, **place), cwd=tmp_path))
     adapters = torch.load(consolidate(ckpt, tmp_path / "adapters.pt"), weights_only=True)
     model = HFCausalLM(pretrained=str(pretrained), lora=LORA)
     missing, unexpected = model.load_state_dict(adapters, strict=False)
     assert not unexpected and all(not model.get_parameter(n).requires_grad for n in missing)
     tokens = torch.randint(0, TINY_LLAMA["vocab_size"], (2, 32), generator=torch.Generator().manual_seed(0))
     base = AutoModelForCausalLM.from_pretrained(pretrained)
+    loaded: dict = {}  # the guide's Python: PEFT puts the adapters on the base
+    exec(
+        snippet("lora-peft")
+        .text.replace("/data/my-adapter", str(tmp_path / "adapters"))
+        .replace("/data/Llama-3.2-1B", str(pretrained)),
+        loaded,
+    )
     with torch.no_grad():
         expected = model.eval()(tokens)
         untuned = base(tokens).logits
-        peft = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()
-        by_peft = peft(tokens).logits
+        by_peft = loaded["model"].eval()(tokens).logits
         merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(tokens).logits
     assert (expected - untuned).abs().max() > 1e-3  # the adapters changed the model: the comparison can fail
     torch.testing.assert_close(by_peft, expected, rtol=1e-5, atol=1e-5)

@@ -10,6 +10,7 @@ import torch
 import transformers  # noqa: F401  the [hf] extra, which .ci/run installs: missing, these tests fail (never skip)
 import yaml
 from hf_families import tiny_config
+from snippets import parallelkit_args
 from support import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses
 
 from parallelkit.errors import PlanError
@@ -57,26 +58,20 @@ MODELS = {
 ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")
 
 
-def mesh(shape: str, batch_size: int, *extra: str) -> tuple[str, ...]:
-    return (
-        f"--trainer.strategy.mesh_shape={shape}",
-        "--trainer.devices=4",
-        f"--data.init_args.batch_size={batch_size}",
-        *extra,
-    )
+def guide_layout(index: int) -> tuple[str, ...]:
+    """The overrides of the MoE guide's `index`-th command (docs/guides/moe.md): all four run here."""
+    command, flag, config, *args = parallelkit_args("moe-layouts", index)
+    assert (command, flag, config) == ("fit", "--config", "configs/moe.yaml")
+    return tuple(args)
 
 
 LAYOUTS = {
-    "fsdp_ep": mesh('[[2, 2], ["fsdp", "ep"]]', 2),  # configs/moe.yaml's own
-    "ep4": mesh('[[4], ["ep"]]', 2),
-    "ep_tp": mesh('[[2, 2], ["ep", "tp"]]', 4),  # sequence parallelism on (the default)
-    "1f1b_pp_ep": (
-        "--trainer.strategy=parallelkit.PipelineStrategy",  # first: a new strategy class starts from its defaults
-        "--trainer.strategy.schedule=1f1b",
-        "--trainer.strategy.meta_init=true",
-        *mesh('[[2, 2], ["pp", "ep"]]', 4),
-    ),
+    "fsdp_ep": guide_layout(0),  # configs/moe.yaml's own: [[2, 2], ["fsdp", "ep"]]
+    "ep4": guide_layout(1),
+    "ep_tp": guide_layout(2),  # sequence parallelism on (the default)
+    "1f1b_pp_ep": guide_layout(3),  # the strategy class first: a new class starts from its defaults
 }
+
 
 RUNS = [
     *(("qwen3_moe", layout) for layout in LAYOUTS if layout not in ("fsdp_ep", "ep4")),  # those: shared runs below
@@ -222,7 +217,11 @@ def test_ep_not_dividing_the_experts_a_dense_model_and_a_family_without_an_ep_pl
         resolve(HFCausalLM(tiny_config("doge")), ep=2)  # experts of its own kind, no base_model_ep_plan
     # Before launch: the CLI's own check, in the launching process, no worker started.
     proc = fit(
-        CONFIG, tmp_path, "--trainer.max_steps=1", *mesh('[[1, 3], ["fsdp", "ep"]]', 2)[:1], "--trainer.devices=3"
+        CONFIG,
+        tmp_path,
+        "--trainer.max_steps=1",
+        '--trainer.strategy.mesh_shape=[[1, 3], ["fsdp", "ep"]]',
+        "--trainer.devices=3",
     )
     output = proc.stdout + proc.stderr
     assert proc.returncode == 2 and "Traceback" not in output, output[-3000:]

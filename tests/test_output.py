@@ -3,16 +3,17 @@ warning that is not about the user's own code."""
 
 import re
 
-from support import REPO, assert_ok, parallelkit
+from snippets import commands, parallelkit_args
+from support import REPO, assert_ok, in_repo, parallelkit
 
 NOISE = re.compile(r"Warning|warn\(|deprecated|It is recommended|FLOPs|Epoch \d+/-|Tip:|Traceback", re.IGNORECASE)
 
 
 def test_main_command_prints_no_warning_that_is_not_about_the_users_code(tmp_path, corpus):
+    main = parallelkit_args("two-commands")  # the README's main command
+    assert main == parallelkit_args("three-ways-in") and commands("index-first-run")[1][1:] == main  # and the site's
     proc = parallelkit(
-        "fit",
-        "--config",
-        str(REPO / "configs" / "hybrid.yaml"),
+        *in_repo(main),
         "--trainer.max_steps=4",
         "--trainer.val_check_interval=2",
         "--trainer.limit_val_batches=2",

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 from models import TINY_LLAMA
-from support import FIRST_BATCH, TOKENIZED, assert_own_tokenizer, assert_same_losses, callback
+from snippets import parallelkit_args
+from support import FIRST_BATCH, assert_own_tokenizer, assert_same_losses, callback, guide_command
 from transformers import AutoModelForCausalLM
 
 from parallelkit.checkpoint import consolidate
@@ -48,8 +49,9 @@ def pretrained(pretrained_llama):
 
 
 def from_base(pretrained, *overrides: str) -> tuple[str, ...]:
-    """The README's command for a user's own model: its directory, its tokenizer on the text."""
-    return ("--model.init_args.config=null", f"--model.init_args.pretrained={pretrained}", TOKENIZED, *overrides)
+    """The guide's command for a user's own model (docs/guides/lora-qlora.md): its directory, its tokenizer on the
+    text. The text is the suite's corpus, which `reference` gives after these."""
+    return guide_command("qlora-finetune", "configs/qlora.yaml", pretrained, *overrides)
 
 
 def test_qlora_on_fsdp4_matches_one_process_and_its_checkpoint_resumes_in_a_pipeline(reference, pretrained):
@@ -64,8 +66,8 @@ def test_qlora_on_fsdp4_matches_one_process_and_its_checkpoint_resumes_in_a_pipe
     assert_same_losses({step: expected[step] for step in resumed}, resumed)
 
 
-def test_the_readme_command_feeds_a_users_model_its_own_tokenizer(reference, pretrained, corpus):
-    """README's QLoRA command on a user's `save_pretrained` directory: the first batch is its tokenizer's ids."""
+def test_the_guides_command_feeds_a_users_model_its_own_tokenizer(reference, pretrained, corpus):
+    """The guide's QLoRA command on a user's `save_pretrained` directory: the first batch is its tokenizer's ids."""
     assert_own_tokenizer(reference(CONFIG, *from_base(pretrained, *README)).log, pretrained, corpus, seq_len=64)
 
 
@@ -86,9 +88,16 @@ def test_exports_load_in_peft_and_transformers_within_the_quantization_error(tmp
     from peft import PeftModel
 
     ckpt = reference(CONFIG, *from_base(pretrained, *README)).checkpoint
-    # In this process (the commands are the same functions; test_lora.py runs them as commands).
-    export_hf(ckpt, tmp_path / "adapters", adapters=True)
-    export_hf(ckpt, tmp_path / "merged")
+    # The guide's two exports, in this process (the commands call the same function; test_lora.py runs them).
+    place = {
+        "runs/qlora/checkpoints/last.ckpt": str(ckpt),  # its step-10 checkpoint
+        "/data/my-adapter": str(tmp_path / "adapters"),
+        "/data/Llama-3.2-1B-merged": str(tmp_path / "merged"),
+    }
+    for index in (1, 2):
+        command, source, target, *flags = parallelkit_args("qlora-finetune", index, **place)
+        assert command == "export-hf" and set(flags) <= {"--adapters"}
+        export_hf(source, target, adapters="--adapters" in flags)
     model = HFCausalLM(pretrained=str(pretrained), lora=QLORA)  # its adapters from the checkpoint, consolidated
     adapters = torch.load(consolidate(ckpt, tmp_path / "adapters.pt"), weights_only=True)
     missing, unexpected = model.load_state_dict(adapters, strict=False)

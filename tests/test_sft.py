@@ -13,7 +13,8 @@ import torch.nn.functional as F
 import transformers
 import yaml
 from models import TINY_LLAMA
-from support import REPO, assert_ok, assert_same_losses, checkpoint_every, fit, made_once, parallelkit, step_losses
+from snippets import parallelkit_args, snippet
+from support import REPO, assert_ok, assert_same_losses, fit, fit_command, made_once, parallelkit, step_losses
 
 from parallelkit.contract import IGNORE_INDEX
 from parallelkit.data import SFTDataModule
@@ -381,34 +382,38 @@ def test_the_step_loss_is_the_global_token_mean_not_a_mean_of_rank_means(runs, t
 
 
 def test_the_worked_example_fits_a_pretrained_model_on_a_jsonl_file_and_exports_it(tmp_path, tokenizer_dir):
-    """The README's example: a pretrained directory with its tokenizer and chat template, conversations in a
-    JSONL file, `parallelkit fit`, `parallelkit export-hf`; transformers loads the export, its tokenizer and chat
-    template (the export's logits against parallelkit's are checked in test_hf_io.py)."""
-    pretrained = tmp_path / "pretrained"
+    """The guide's example (docs/guides/sft.md): a pretrained directory with its tokenizer and chat template,
+    conversations in a JSONL file, `parallelkit fit`, `parallelkit export-hf`, and its Python answering a chat with the
+    export (the export's logits against parallelkit's are checked in test_hf_io.py)."""
+    pretrained, export, run = tmp_path / "pretrained", tmp_path / "export", tmp_path / "run"
     config = transformers.LlamaConfig(**{**TINY_LLAMA, "vocab_size": 264})
     torch.manual_seed(0)
     transformers.LlamaForCausalLM(config).save_pretrained(str(pretrained))
     load_tokenizer(tokenizer_dir).save_pretrained(str(pretrained))
     data = write_jsonl(tmp_path / "chats.jsonl", [record for _, record in builtin_conversations(count=300, seed=1)])
+    place = {
+        "/data/Qwen2.5-0.5B-Instruct-sft": str(export),
+        "/data/Qwen2.5-0.5B-Instruct": str(pretrained),
+        "/data/chats.jsonl": str(data),
+    }
     assert_ok(
-        fit(
-            SFT,
-            tmp_path / "run",
-            "--model.init_args.config=null",
-            f"--model.init_args.pretrained={pretrained}",
-            f"--data.init_args.paths={data}",
+        fit_command(
+            parallelkit_args("sft-finetune", 0, **place),
+            run,
             f"--data.init_args.cache_dir={tmp_path / 'cache'}",
             "--data.init_args.batch_size=8",
             "--trainer.devices=1",
             '--trainer.strategy.mesh_shape=[[1, 1], ["fsdp", "tp"]]',
             "--trainer.max_steps=6",
             "--trainer.limit_val_batches=0",
-            checkpoint_every(tmp_path / "ckpt", 6, last=True),
+            "--trainer.callbacks.init_args.every_n_train_steps=6",  # the config's ModelCheckpoint
         )
     )
-    assert_ok(parallelkit("export-hf", str(tmp_path / "ckpt" / "last.ckpt"), str(tmp_path / "export"), cwd=tmp_path))
-    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "export"))  # the template travelled
+    assert_ok(parallelkit(*parallelkit_args("sft-finetune", 1, **place), cwd=run))
+    answered: dict = {}
+    exec(snippet("sft-chat").text.replace("/data/Qwen2.5-0.5B-Instruct-sft", str(export)), answered)
+    exported, tokenizer = answered["model"].eval(), answered["tokenizer"]  # the template travelled
+    assert answered["answer"].numel() > 0
     ids = torch.tensor([tokenizer.apply_chat_template(TWO_TURNS)["input_ids"]])
     original = transformers.AutoModelForCausalLM.from_pretrained(str(pretrained)).eval()
     with torch.no_grad():
