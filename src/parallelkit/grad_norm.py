@@ -64,9 +64,10 @@ def settle_gradients(module: torch.nn.Module) -> None:
     sequence-parallel norm's weight gradient so) is all-reduced once; a whole gradient of a sharded parameter (a
     row-wise embedding's comes out replicated) keeps this rank's shard and frees the rest.
 
-    FSDP does this in its reduction. Without FSDP (one data-parallel rank) the optimizer would otherwise redistribute
-    the same gradient again in every operation that meets it (AdamW: twice per parameter and step), and a whole
-    embedding gradient would stay allocated on every tp rank."""
+    FSDP does this in its reduction. Without FSDP (one data-parallel rank; the model's `DataParallelWrap`, in
+    `parallelkit.parallel.fsdp`, says so) the optimizer would otherwise redistribute the same gradient again in every
+    operation that meets it (AdamW: twice per parameter and step), and a whole embedding gradient would stay allocated
+    on every tp rank."""
     for param in module.parameters():
         grad = param.grad
         if isinstance(grad, DTensor) and isinstance(param, DTensor) and grad.placements != param.placements:

@@ -72,7 +72,7 @@ def closure_then(optimizer: torch.optim.Optimizer, update: Callable[[torch.optim
 
 def mixes_plain_and_dtensors(optimizer: torch.optim.Optimizer) -> bool:
     """Whether `optimizer` updates DTensors and plain tensors together: tensor parallelism's parameters beside the
-    ones it leaves whole when no FSDP wraps them all (`parallelkit.parallel.fsdp.fsdp_needed`)."""
+    ones it leaves whole when no FSDP wraps them all (`parallelkit.parallel.fsdp.DataParallelWrap`)."""
     from torch.distributed.tensor import DTensor
 
     kinds = {isinstance(p, DTensor) for group in optimizer.param_groups for p in group["params"]}

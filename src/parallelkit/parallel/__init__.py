@@ -23,7 +23,14 @@ from parallelkit.mesh import dense_mesh, expert_data_mesh
 from parallelkit.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_modules
 from parallelkit.parallel.compile import apply_compile
 from parallelkit.parallel.expert_parallel import apply_expert_parallel
-from parallelkit.parallel.fsdp import apply_fsdp, fsdp_needed, runnable_unit
+from parallelkit.parallel.fsdp import (
+    DataParallelWrap,
+    apply_fsdp,
+    data_parallel_wrap,
+    fsdp_needed,
+    record_wrap,
+    runnable_unit,
+)
 from parallelkit.parallel.pipeline import split_model
 from parallelkit.parallel.resolve import ResolvedPlan, resolve
 from parallelkit.parallel.tensor_parallel import apply_tensor_parallel
@@ -57,6 +64,8 @@ def parallelize(
 
     FSDP is left out where it would change nothing (`fsdp_needed`: one data-parallel rank, nothing to cast, offload,
     or round in the gradient reduction); the parameters are then plain tensors, or tensor parallelism's DTensors.
+    The decision and what it asks of the caller is recorded on `model` as its `DataParallelWrap`
+    (`data_parallel_wrap(model)` reads it).
     """
     if resolved is None:
         if stages is not None:
@@ -93,7 +102,8 @@ def parallelize(
                 experts_mesh=expert_data_mesh(mesh),
                 prepare=prepare,
             )
+    record_wrap(model, DataParallelWrap.of(roots, fsdp=dp_mesh is not None))
     return roots
 
 
-__all__ = ["ResolvedPlan", "parallelize", "resolve"]
+__all__ = ["DataParallelWrap", "ResolvedPlan", "data_parallel_wrap", "parallelize", "resolve"]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +38,51 @@ def runnable_unit(model_name: str, fqn: str, module: nn.Module) -> Unit:
     return [child for _, child in children]
 
 
+@dataclass(frozen=True)
+class DataParallelWrap:
+    """Whether FSDP2 wraps the model over its data-parallel mesh, and what the strategy does by hand where it does not.
+
+    `parallelize` makes it once per model (FSDP left out where `fsdp_needed` says it would change nothing) and records
+    it on the model; the strategy reads it (`data_parallel_wrap`) instead of looking at the model again. Without FSDP,
+    tensor and expert parallelism's DTensors sit beside the plain tensors tensor parallelism leaves whole, and no
+    FSDP reduction gives their gradients their parameters' placements."""
+
+    fsdp: bool
+    """FSDP2 wraps every root: its reduction settles gradients, and it holds them back while accumulating."""
+    settle_gradients: bool
+    """No FSDP, and DTensor parameters: after each backward `parallelkit.grad_norm.settle_gradients` gives every
+    DTensor gradient its parameter's placements (not on accumulation micro-steps, where pending sums add up)."""
+    replicate_plain_tensors: bool
+    """DTensors beside plain parameters: an optimizer that updates both takes the plain ones as replicated DTensors
+    (`parallelkit.optim.replicate_plain_tensors`; a foreach update refuses the mix)."""
+
+    @classmethod
+    def of(cls, modules: Iterable[nn.Module], *, fsdp: bool) -> DataParallelWrap:
+        """The wrap of `modules` (the parallelised roots), FSDP2 around them or not."""
+        from torch.distributed.tensor import DTensor
+
+        kinds = {isinstance(param, DTensor) for module in modules for param in module.parameters()}
+        return cls(fsdp=fsdp, settle_gradients=not fsdp and True in kinds, replicate_plain_tensors=len(kinds) == 2)
+
+
+_RECORDED = "_parallelkit_data_parallel_wrap"
+"""The attribute `parallelize` records a model's `DataParallelWrap` under."""
+
+
+def record_wrap(model: nn.Module, wrap: DataParallelWrap) -> None:
+    """Record `wrap` on `model`, for `data_parallel_wrap` to read."""
+    setattr(model, _RECORDED, wrap)
+
+
+def data_parallel_wrap(model: nn.Module) -> DataParallelWrap:
+    """The `DataParallelWrap` `parallelize` recorded on `model`; for a model that parallelised itself (its own
+    `configure_model()`), the one its parameters show: FSDP2 if it wrapped itself, DTensors if it made any."""
+    from torch.distributed.fsdp import FSDPModule
+
+    recorded = getattr(model, _RECORDED, None)
+    return recorded if recorded is not None else DataParallelWrap.of([model], fsdp=isinstance(model, FSDPModule))
+
+
 def fsdp_needed(
     model: nn.Module, dp_mesh: DeviceMesh | None, *, param_dtype: Any = None, comm_hook: Any = None, cpu_offload: bool
 ) -> bool:
@@ -46,8 +92,7 @@ def fsdp_needed(
 
     Over one rank with none of these it would only copy every parameter into its unsharded buffer before the forward
     and every gradient through the reduce-scatter path after the backward (`benchmarks/strategies.py`, tensor
-    parallelism alone). Without the wrap the parameters tensor parallelism leaves alone stay plain tensors beside
-    its DTensors (`parallelkit.optim.replicate_plain_tensors` lets a foreach update take both)."""
+    parallelism alone). What leaving it out asks of the strategy is the model's `DataParallelWrap`."""
     from parallelkit.comm import CommHook
 
     if dp_mesh is None:

@@ -53,7 +53,7 @@ from parallelkit.init import draw_whole_in_hooks, has_meta_tensors, materialize,
 from parallelkit.lora import quantize_base, wants_nf4
 from parallelkit.mesh import AXES, MeshSpec
 from parallelkit.optim import compile_step, mixes_plain_and_dtensors, replicate_plain_tensors
-from parallelkit.parallel import ResolvedPlan, resolve
+from parallelkit.parallel import DataParallelWrap, ResolvedPlan, data_parallel_wrap, resolve
 from parallelkit.parallel.compile import compile_backends, cpp_compiler
 from parallelkit.strategies.precision import ShardedPrecision
 
@@ -144,8 +144,8 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         self.mesh_spec: MeshSpec | None = None
         self.comm_precision = comm_precision
         self.comm_hook: CommHook | None = None
-        self._settle_gradients = False  # after each backward: with tp's DTensors and no FSDP (`setup`), not while
-        # accumulating (block_backward_sync), where pending sums add up until the last micro-step settles them
+        self.data_parallel: DataParallelWrap | None = None  # what `parallelize` decided about FSDP, read in `setup`
+        self._accumulating = False  # in block_backward_sync without FSDP: settled after the last micro-step
         self.profile_communication = profile_communication
         self.reshard_after_forward = reshard_after_forward
         self.sequence_parallel = sequence_parallel
@@ -320,14 +320,12 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
     @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Accumulation micro-steps keep gradients local: no reduce-scatter / all-reduce until the last one."""
-        from torch.distributed.fsdp import FSDPModule
-
-        if not isinstance(self.model, FSDPModule):
-            settle, self._settle_gradients = self._settle_gradients, False
+        if not self.data_parallel.fsdp:
+            self._accumulating = True  # pending sums add up until the last micro-step settles them
             try:
                 yield
             finally:
-                self._settle_gradients = settle
+                self._accumulating = False
             return
         self.model.set_requires_gradient_sync(False)
         try:
@@ -435,12 +433,7 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
                 "sequence dim (no 'sequence_parallel' entry), so its activations stay whole on every tp rank."
             )
         self.parallelize_model(trainer)
-        from torch.distributed.fsdp import FSDPModule
-        from torch.distributed.tensor import DTensor
-
-        self._settle_gradients = not isinstance(self.model, FSDPModule) and any(
-            isinstance(param, DTensor) for param in self.model.parameters()
-        )
+        self.data_parallel = data_parallel_wrap(self.model)
         quiet_root_view_warning(self.model)
         if has_meta_tensors(self.model):
             materialize(self.model, torch.device("cpu") if self.cpu_offload else self.root_device, built)
@@ -455,7 +448,7 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         for optimizer in self.optimizers:
             if self.optimizer_backend():
                 compile_step(optimizer, self.optimizer_backend())
-            if mixes_plain_and_dtensors(optimizer):
+            if self.data_parallel.replicate_plain_tensors and mixes_plain_and_dtensors(optimizer):
                 replicate_plain_tensors(optimizer)
 
     @override
@@ -507,5 +500,5 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
 
     @override
     def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self._settle_gradients:
+        if self.data_parallel.settle_gradients and not self._accumulating:
             settle_gradients(self.model)
