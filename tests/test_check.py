@@ -10,7 +10,8 @@ import pytest
 from snippets import commands, parallelkit_args
 from support import FSDP4, REPO, TESTS, assert_ok, in_repo, parallelkit, run, torchrun
 
-from parallelkit.check.live import Measurement, Options, Result, axis_groups, judge
+from parallelkit.check.collectives import Measurement, axis_groups
+from parallelkit.check.live import Options, Result, judge
 from parallelkit.mesh import MeshSpec
 
 FAULTS = str(TESTS / "faults")

@@ -21,7 +21,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from parallelkit.check.live import CheckFailed, Options, Result, check, size_text
+from parallelkit.check.collectives import size_text
+from parallelkit.check.live import CheckFailed, Options, Result, check
 from parallelkit.mesh import MeshSpec
 
 __all__ = ["Options", "launch"]

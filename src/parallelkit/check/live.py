@@ -7,24 +7,16 @@ collective a rank writes where it is (`at/<rank>`), and a rank whose collective 
 (`failed/<rank>`), so rank 0 can name the rank that stopped answering, and in which call, even when that rank is
 still alive and silent.
 
-Bandwidths follow nccl-tests' definitions (its doc/PERFORMANCE.md): for a collective over n ranks on a buffer of S
-bytes taking t seconds, algbw = S / t and busbw = algbw x 2(n-1)/n for all-reduce, x (n-1)/n for all-gather,
-reduce-scatter and all-to-all (S their whole buffer: all-gather's output, reduce-scatter's input), x 1 for
-send/recv; a group's time is its slowest rank's.
-
-Over 400 lines: the rank report, the groups, the timed collectives, the store's side channel and the verdict are one
-protocol every rank runs in step, each part written against the others' keys and order.
+This module holds that protocol: the store's side channel, the check every rank runs in step, what becomes of a
+collective that times out, and rank 0's verdict. What a rank reports lives in `ranks.py`; the collectives, their
+groups and their bandwidths in `collectives.py`.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import platform
 import re
-import socket
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from itertools import product
@@ -33,37 +25,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-import parallelkit
+# Imported by name: check and measure look rank_report and run_collective up here, where the fault tests replace them
+from parallelkit.check.collectives import Measurement, axis_groups, ops_of, run_collective, size_text
+from parallelkit.check.ranks import _ranks, describe_differences, differences, rank_report
 from parallelkit.errors import ParallelkitError
 from parallelkit.mesh import MeshSpec
-
-BUS_FACTOR: dict[str, Callable[[int], float]] = {
-    "all_reduce": lambda n: 2 * (n - 1) / n,
-    "all_gather": lambda n: (n - 1) / n,
-    "reduce_scatter": lambda n: (n - 1) / n,
-    "all_to_all": lambda n: (n - 1) / n,
-    "send_recv": lambda n: 1.0,
-}
-"""nccl-tests' bus bandwidth factor per collective, for a group of n ranks."""
-
-ENV_VARS = (
-    "MASTER_ADDR",
-    "MASTER_PORT",
-    "CUDA_VISIBLE_DEVICES",
-    "NCCL_SOCKET_IFNAME",
-    "NCCL_IB_DISABLE",
-    "NCCL_P2P_DISABLE",
-    "NCCL_P2P_LEVEL",
-    "NCCL_NET_GDR_LEVEL",
-    "NCCL_DEBUG",
-    "GLOO_SOCKET_IFNAME",
-    "TORCH_NCCL_ASYNC_ERROR_HANDLING",
-    "TORCH_NCCL_TRACE_BUFFER_SIZE",
-)
-"""Launcher and communication variables that change what a job's collectives do (printed when set)."""
-
-COMPARED = ("device", "capability", "device_memory", "torch", "cuda", "nccl", "driver", "python", "parallelkit")
-"""What every rank must agree on (a mixed cluster is refused unless `--allow-mixed`)."""
 
 HETEROGENEOUS_ADVICE = (
     "Ranks of one job should run the same device type, memory and software: a slower or smaller device paces "
@@ -81,151 +47,6 @@ class Options:
     iters: int = 5
     allow_mixed: bool = False
     json: bool = False
-
-
-@dataclass
-class Measurement:
-    """One collective at one size on one axis: every group of the axis ran it at once."""
-
-    axis: str
-    op: str
-    size: int
-    group_size: int
-    seconds: dict[tuple[int, ...], float] = field(default_factory=dict)  # group ranks -> its slowest rank's time
-
-    def busbw(self, group: tuple[int, ...]) -> float:
-        return self.size / self.seconds[group] * BUS_FACTOR[self.op](self.group_size)
-
-    @property
-    def slowest(self) -> tuple[int, ...]:
-        return max(self.seconds, key=self.seconds.get)
-
-    def as_dict(self) -> dict[str, Any]:
-        slow = self.slowest
-        return {
-            "axis": self.axis,
-            "op": self.op,
-            "bytes": self.size,
-            "group_size": self.group_size,
-            "latency_us": self.seconds[slow] * 1e6,
-            "algbw_gbps": self.size / self.seconds[slow] / 1e9,
-            "busbw_gbps": self.busbw(slow) / 1e9,
-            "slowest_group": list(slow),
-            "groups": {",".join(map(str, g)): s * 1e6 for g, s in self.seconds.items()},
-        }
-
-
-# -- what a rank reports ------------------------------------------------------------------------------------------
-def launcher_name() -> str:
-    if os.environ.get("TORCHELASTIC_RUN_ID"):
-        return "torchrun"
-    if os.environ.get("SLURM_JOB_ID"):
-        return "slurm"
-    return "lightning"
-
-
-def rank_report(rank: int, device: torch.device) -> dict[str, Any]:
-    """What this rank runs on: host, device, versions, launcher and the communication environment."""
-    cuda = device.type == "cuda"
-    props = torch.cuda.get_device_properties(device) if cuda else None
-    driver = "-"
-    if cuda and os.path.exists("/proc/driver/nvidia/version"):
-        with open("/proc/driver/nvidia/version") as f:
-            words = f.readline().split()
-        driver = next((w for w in words if w[:1].isdigit() and "." in w), "-")
-    return {
-        "rank": rank,
-        "host": socket.gethostname(),
-        "pid": os.getpid(),
-        "device": props.name if props else f"cpu ({platform.machine()})",
-        "capability": f"{props.major}.{props.minor}" if props else "-",
-        "device_memory": props.total_memory if props else 0,
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda or "-",
-        "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else "-",
-        "driver": driver,
-        "python": platform.python_version(),
-        "parallelkit": parallelkit.__version__,
-        "launcher": launcher_name(),
-        "env": {name: os.environ[name] for name in ENV_VARS if name in os.environ},
-    }
-
-
-def differences(reports: Sequence[dict[str, Any]]) -> dict[str, dict[Any, list[int]]]:
-    """For each compared field on which the ranks disagree: value -> the ranks reporting it."""
-    found: dict[str, dict[Any, list[int]]] = {}
-    for key in COMPARED:
-        values: dict[Any, list[int]] = {}
-        for report in reports:
-            values.setdefault(report[key], []).append(report["rank"])
-        if len(values) > 1:
-            found[key] = values
-    return found
-
-
-def describe_differences(found: dict[str, dict[Any, list[int]]]) -> list[str]:
-    lines = []
-    for key, values in found.items():
-        common = max(values, key=lambda v: len(values[v]))
-        odd = "; ".join(
-            f"{'rank' if len(r) == 1 else 'ranks'} {_ranks(r)} {'reports' if len(r) == 1 else 'report'} {v!r}"
-            for v, r in values.items()
-            if v != common
-        )
-        lines.append(f"{key}: {odd}, where the other ranks report {common!r}")
-    return lines
-
-
-def _ranks(ranks: Sequence[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
-# -- the mesh's groups --------------------------------------------------------------------------------------------
-def axis_groups(spec: MeshSpec, axis: str) -> list[tuple[int, ...]]:
-    """Every group of `axis`: the ranks that share their coordinates on every other axis, in rank order."""
-    groups: dict[tuple[int, ...], list[int]] = {}
-    for rank in range(spec.world_size):
-        coords = spec.coordinates(rank)
-        groups.setdefault(tuple(v for k, v in coords.items() if k != axis), []).append(rank)
-    return [tuple(g) for g in groups.values()]
-
-
-def ops_of(axis: str) -> tuple[str, ...]:
-    """The collectives training runs over an axis: point-to-point between stages on pp, all-to-all on ep too."""
-    if axis == "pp":
-        return ("send_recv",)
-    if axis == "ep":
-        return ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
-    return ("all_reduce", "all_gather", "reduce_scatter")
-
-
-def run_collective(op: str, size: int, group: Any, ranks: tuple[int, ...], rank: int, device: torch.device) -> None:
-    """One `op` on a buffer of `size` bytes (nccl-tests' S) over `group`, this rank's part of it."""
-    n = len(ranks)
-    whole = torch.ones(size // 4, device=device)
-    part = torch.empty(size // 4 // n, device=device)
-    if op == "all_reduce":
-        dist.all_reduce(whole, group=group)
-    elif op == "all_gather":
-        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(
-            whole, part, group=group
-        )  # new name, torch 2.13
-    elif op == "reduce_scatter":
-        getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)(part, whole, group=group)
-    elif op == "all_to_all":
-        dist.all_to_all_single(torch.empty_like(whole), whole, group=group)
-    elif op == "send_recv":  # a ring over the stages: each sends to the next and receives from the previous
-        here = ranks.index(rank)
-        ops = [
-            dist.P2POp(dist.isend, whole, ranks[(here + 1) % n], group),
-            dist.P2POp(dist.irecv, torch.empty_like(whole), ranks[(here - 1) % n], group),
-        ]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
-    else:
-        raise ValueError(op)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # -- the side channel ---------------------------------------------------------------------------------------------
@@ -473,10 +294,3 @@ def judge(spec: MeshSpec, result: Result, options: Options) -> None:
             result.warnings.append(f"devices are not homogeneous (allowed by --allow-mixed): {text}")
         else:
             result.failures.append(f"devices are not homogeneous: {text}. {HETEROGENEOUS_ADVICE}")
-
-
-def size_text(size: int) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if size >= scale:
-            return f"{size / scale:.3g} {unit}"
-    return f"{size} B"
