@@ -7,11 +7,9 @@ applied with no `configure_model`, the data-parallel group everywhere Lightning 
 clipping across DTensor shards, no gradient communication on accumulation micro-steps, and FSDP2's own mixed
 precision in place of autocast. Its DCP checkpoints are kept, made atomic and layout-independent.
 
-This module keeps the Lightning lifecycle only: options checked before launch, the mesh, the plan resolved and
-applied in `setup`, and step routing. Checkpoint I/O is `parallelkit.checkpoint.strategy`, precision
-`strategies/precision.py`, the parallel techniques `parallelkit.parallel` (docs/architecture.md).
-
-Over 400 lines: that lifecycle is one class's; split further, a reader would follow one hook across files.
+This module keeps the Lightning lifecycle only: options checked before launch, the mesh, and the plan resolved and
+applied in `setup`. How each step runs is `strategies/steps.py`, checkpoint I/O `parallelkit.checkpoint.strategy`,
+precision `strategies/precision.py`, the parallel techniques `parallelkit.parallel` (docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -42,20 +40,18 @@ from parallelkit.compat import (
     model_class_name,
     process_group_backend,
     quiet_root_view_warning,
-    run_as_forward,
     saves_distributed_checkpoint,
     set_device_mesh,
     setup_distributed,
 )
 from parallelkit.errors import ConfigError
-from parallelkit.grad_norm import settle_gradients
 from parallelkit.init import draw_whole_in_hooks, has_meta_tensors, materialize, meta_parameters
 from parallelkit.lora import quantize_base, wants_nf4
 from parallelkit.mesh import AXES, MeshSpec
-from parallelkit.optim import compile_step, mixes_plain_and_dtensors, replicate_plain_tensors
 from parallelkit.parallel import DataParallelWrap, ResolvedPlan, data_parallel_wrap, resolve
 from parallelkit.parallel.compile import compile_backends, cpp_compiler
 from parallelkit.strategies.precision import ShardedPrecision
+from parallelkit.strategies.steps import ParallelSteps
 
 __all__ = ["FLAT", "MeshShape", "ParallelkitStrategy", "ShardedPrecision"]
 """What plugins import from here (`FLAT` lives with the checkpoint I/O, `ShardedPrecision` with precision)."""
@@ -68,7 +64,7 @@ JOIN_TIMEOUT = timedelta(minutes=5)
 """The least time the ranks wait for each other to join the default process group, whatever `timeout` says."""
 
 
-class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
+class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrategy):
     """Base of parallelkit's strategies: the options every one of them (and every plugin built on them) takes.
 
     Args:
@@ -315,32 +311,6 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
         return reduce_logged(tensor, group, reduce_op)
 
-    # -- training-step hooks ---------------------------------------------------------------------------------
-    @contextmanager
-    @override
-    def block_backward_sync(self) -> Generator[None, None, None]:
-        """Accumulation micro-steps keep gradients local: no reduce-scatter / all-reduce until the last one."""
-        if not self.data_parallel.fsdp:
-            self._accumulating = True  # pending sums add up until the last micro-step settles them
-            try:
-                yield
-            finally:
-                self._accumulating = False
-            return
-        self.model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            self.model.set_requires_gradient_sync(True)
-
-    def loss_context(self) -> Any:
-        """Context in which the model's loss runs, forward and backward: loss parallelism when asked for."""
-        if not self.loss_parallel:
-            return nullcontext()
-        from torch.distributed.tensor.parallel import loss_parallel
-
-        return loss_parallel()
-
     # -- model setup -----------------------------------------------------------------------------------------
     @contextmanager
     @override
@@ -443,62 +413,6 @@ class ParallelkitStrategy(ShardedCheckpoints, ModelParallelStrategy):
         Strategy.setup(self, trainer)
 
     @override
-    def setup_optimizers(self, trainer: Any) -> None:
-        super().setup_optimizers(trainer)
-        for optimizer in self.optimizers:
-            if self.optimizer_backend():
-                compile_step(optimizer, self.optimizer_backend())
-            if self.data_parallel.replicate_plain_tensors and mixes_plain_and_dtensors(optimizer):
-                replicate_plain_tensors(optimizer)
-
-    @override
     def model_to_device(self) -> None:
         if not self.cpu_offload:  # FSDP2's offload policy decides where sharded parameters live
             super().model_to_device()
-
-    def _in_root_forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
-        """Run the LightningModule's `method` (training_step, ...) as the forward of its FSDP root.
-
-        FSDP2 gathers a unit's parameters in the forward hooks of the module it shards, and the root unit is the
-        LightningModule. A module that calls its network as a child (`self.model(x)`, or an encoder and a head in
-        turn) never runs its own forward, so what the root holds (embeddings, final norm, head) would stay sharded.
-        Lightning reroutes steps through a wrapper's forward for DDP and FSDP1 for this reason; FSDP2 shards the
-        module in place, so here the module is its own wrapper. A step that calls `self(x)` runs the root's hooks
-        a second time, inside the first, where they find the parameters already gathered.
-        """
-        from torch.distributed.fsdp import FSDPModule
-
-        module = self.lightning_module
-        if isinstance(module, FSDPModule):
-            return run_as_forward(module, method, *args, **kwargs)
-        return getattr(module, method)(*args, **kwargs)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.loss_context(), self.precision_plugin.train_step_context():
-            return self._in_root_forward("training_step", *args, **kwargs)
-
-    @override
-    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.loss_context(), self.precision_plugin.val_step_context():
-            return self._in_root_forward("validation_step", *args, **kwargs)
-
-    @override
-    def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.loss_context(), self.precision_plugin.test_step_context():
-            return self._in_root_forward("test_step", *args, **kwargs)
-
-    @override
-    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.precision_plugin.predict_step_context():
-            return self._in_root_forward("predict_step", *args, **kwargs)
-
-    @override
-    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-        with self.loss_context():
-            return super().backward(closure_loss, optimizer, *args, **kwargs)
-
-    @override
-    def post_backward(self, closure_loss: torch.Tensor) -> None:
-        if self.data_parallel.settle_gradients and not self._accumulating:
-            settle_gradients(self.model)

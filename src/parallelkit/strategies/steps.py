@@ -1,0 +1,107 @@
+"""How each step runs on the parallel model: the Lightning step hooks of a parallelkit strategy.
+
+`ParallelSteps` is mixed into `ParallelkitStrategy` ahead of `ShardedCheckpoints` and Lightning's
+`ModelParallelStrategy`, whose step hooks it overrides: every step runs as the forward of the FSDP root, inside loss
+parallelism when asked for; gradients are held back on accumulation micro-steps; and what leaving FSDP out asks of
+the strategy (the model's `DataParallelWrap`, read in `setup`: gradients settled after each backward, plain tensors
+replicated in the optimizer's update) is done here. The strategy keeps the Lightning lifecycle, this the steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator
+from contextlib import contextmanager, nullcontext
+from typing import Any
+
+import torch
+from typing_extensions import override
+
+from parallelkit.compat import run_as_forward
+from parallelkit.grad_norm import settle_gradients
+from parallelkit.optim import compile_step, mixes_plain_and_dtensors, replicate_plain_tensors
+
+
+class ParallelSteps:
+    """The step hooks of a parallelkit strategy (see the module's docstring); they read the strategy's `model`,
+    `lightning_module`, `precision_plugin`, `loss_parallel`, `data_parallel` and `optimizer_backend()`."""
+
+    @contextmanager
+    @override
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation micro-steps keep gradients local: no reduce-scatter / all-reduce until the last one."""
+        if not self.data_parallel.fsdp:
+            self._accumulating = True  # pending sums add up until the last micro-step settles them
+            try:
+                yield
+            finally:
+                self._accumulating = False
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    def loss_context(self) -> Any:
+        """Context in which the model's loss runs, forward and backward: loss parallelism when asked for."""
+        if not self.loss_parallel:
+            return nullcontext()
+        from torch.distributed.tensor.parallel import loss_parallel
+
+        return loss_parallel()
+
+    @override
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        for optimizer in self.optimizers:
+            if self.optimizer_backend():
+                compile_step(optimizer, self.optimizer_backend())
+            if self.data_parallel.replicate_plain_tensors and mixes_plain_and_dtensors(optimizer):
+                replicate_plain_tensors(optimizer)
+
+    def _in_root_forward(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """Run the LightningModule's `method` (training_step, ...) as the forward of its FSDP root.
+
+        FSDP2 gathers a unit's parameters in the forward hooks of the module it shards, and the root unit is the
+        LightningModule. A module that calls its network as a child (`self.model(x)`, or an encoder and a head in
+        turn) never runs its own forward, so what the root holds (embeddings, final norm, head) would stay sharded.
+        Lightning reroutes steps through a wrapper's forward for DDP and FSDP1 for this reason; FSDP2 shards the
+        module in place, so here the module is its own wrapper. A step that calls `self(x)` runs the root's hooks
+        a second time, inside the first, where they find the parameters already gathered.
+        """
+        from torch.distributed.fsdp import FSDPModule
+
+        module = self.lightning_module
+        if isinstance(module, FSDPModule):
+            return run_as_forward(module, method, *args, **kwargs)
+        return getattr(module, method)(*args, **kwargs)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.loss_context(), self.precision_plugin.train_step_context():
+            return self._in_root_forward("training_step", *args, **kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.loss_context(), self.precision_plugin.val_step_context():
+            return self._in_root_forward("validation_step", *args, **kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.loss_context(), self.precision_plugin.test_step_context():
+            return self._in_root_forward("test_step", *args, **kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._in_root_forward("predict_step", *args, **kwargs)
+
+    @override
+    def backward(self, closure_loss: torch.Tensor, optimizer: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self.loss_context():
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    @override
+    def post_backward(self, closure_loss: torch.Tensor) -> None:
+        if self.data_parallel.settle_gradients and not self._accumulating:
+            settle_gradients(self.model)
