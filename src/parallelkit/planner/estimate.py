@@ -1,15 +1,81 @@
 """The planner's arithmetic for one layout: per-rank memory, communication per axis and the step time, from a model's
-profile (see the package docstring for each term)."""
+profile (see the package docstring for each term).
+
+Each mesh axis has one function here (`_pp`, `_tp`, `_ep`, `_fsdp`, `_replicate`) that says what it does to a rank's
+share of a step: what it divides (parameters, activations, compute) and what it adds (its traffic, gathered buffers,
+microbatches in flight). `estimate` applies them in `AXIS_TERMS`' order, the order their terms build on each other
+(FSDP shards what tensor and expert parallelism leave a rank; replicas all-reduce what FSDP reduced), then adds up
+the share. A new axis is one function and its place in that order.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from parallelkit.errors import PlanError
 from parallelkit.mesh import MeshSpec
 from parallelkit.parallel.schedule import Schedule
 from parallelkit.planner.records import OPTIMIZER_STATES, Estimate, Hardware, Layer, ModelProfile, Workload
+
+
+@dataclass
+class _Share:
+    """One pipeline rank's share of a step, as the axis functions leave it, each amending it in turn. Counts are
+    elements per layer of `layers` unless said; activations are bytes per sample."""
+
+    prof: ModelProfile
+    spec: MeshSpec
+    work: Workload
+    rank: int
+    """This rank's place on the pp axis."""
+    stages: list[tuple[int, list[Layer]]]
+    """This rank's stages, with their indices."""
+    layers: list[Layer]
+    """Their layers, in order."""
+    recomputed: list[Layer]
+    """The units activation checkpointing recomputes, counted per stage as `parallelize` counts them."""
+    num_stages: int
+    """How many stages the model is cut into (pp x virtual)."""
+    schedule: str | None
+    """The pipeline schedule (None without pp)."""
+    microbatches: int
+    """Microbatches per forward (1 without pp)."""
+    cb: float
+    """Bytes of an activation element over 4 (the ledger counted fp32 activations)."""
+    samples: float = 0.0
+    """Samples per forward."""
+    in_flight: float = 1.0
+    """Microbatches' worth of activations alive at once."""
+    loss: float = 0.0
+    """The loss's activations per sample on this rank (those of the last stage)."""
+    regathers: bool = True
+    """FSDP gathers each unit again in backward (default resharding)."""
+    bubble: float = 1.0
+    """The fraction of the step this rank computes, the rest idle."""
+    params: list[float] = field(default_factory=list)
+    """Parameters of each layer on this rank, before FSDP shards them."""
+    trained: float = 0.0
+    """Parameters with gradients and optimizer states, before FSDP shards them."""
+    held: list[float] = field(default_factory=list)
+    """What a sample's forward through each layer keeps for backward."""
+    kept: list[float] = field(default_factory=list)
+    """The same, where a recomputed unit keeps only its input."""
+    whole: list[float] = field(default_factory=list)
+    """Parameters of each layer once FSDP gathers them: dense parameters whole, experts this rank's share."""
+    reduced: float = 0.0
+    """Trained parameters whose gradients FSDP reduces over its whole mesh."""
+    shards: int = 1
+    """Ranks that divide this share's parameters, gradients and optimizer states."""
+    replicas: int = 1
+    """Ranks that step on different data with the same parameters (fsdp shards, ep and replicate copies)."""
+    compute_split: int = 1
+    """Ranks that divide each token's compute."""
+    gathered: float = 0.0
+    """FSDP's transient unsharded parameters, in bytes."""
+    comm: dict[str, float] = field(default_factory=dict)
+    """Bytes per optimizer step, by axis."""
 
 
 def _in_flight(schedule: str | None, pp: int, stage: int, microbatches: int, virtual: int) -> float:
@@ -27,6 +93,145 @@ def _in_flight(schedule: str | None, pp: int, stage: int, microbatches: int, vir
     raise PlanError(f"unknown schedule {schedule!r}")
 
 
+def _pp(share: _Share) -> None:
+    """pp divides the layers into stages (`share.layers`) and each step into microbatches, several of them in flight
+    at once as the schedule keeps them; it adds the stage boundaries' activations and their gradients, keeps FSDP's
+    units gathered between microbatches, and idles each stage for the bubble."""
+    pp, work, m = share.spec.size("pp"), share.work, share.microbatches
+    v = share.num_stages // pp
+    share.samples = work.micro_batch / (m if pp > 1 else 1)
+    share.in_flight = _in_flight(share.schedule if pp > 1 else None, pp, share.rank, m, v)
+    if any(i == share.num_stages - 1 for i, _ in share.stages):
+        share.loss = share.prof.loss_activations * share.cb
+    if pp > 1:
+        share.regathers = False
+        sent = sum(stage[-1].output for i, stage in share.stages if i < share.num_stages - 1)
+        share.comm["pp"] = 2 * sent * share.cb * work.micro_batch * work.accumulate
+        share.bubble = 1 - (pp - 1) / (v * m + pp - 1)
+
+
+def _tp(share: _Share) -> None:
+    """tp divides the parameters its plan shards, and each layer's activations but for the inputs sequence
+    parallelism gathers whole, and each token's compute; it adds its activation collectives, forward and backward."""
+    tp, work, cb = share.spec.size("tp"), share.work, share.cb
+    share.params = [layer.tp_sharded / tp + layer.params - layer.tp_sharded for layer in share.layers]
+    share.trained = sum(layer.tp_trainable / tp + layer.trainable - layer.tp_trainable for layer in share.layers)
+    if tp == 1:
+        share.held = [layer.activations * cb for layer in share.layers]
+    else:
+        share.held = [layer.activations * cb / tp + layer.gathered_inputs * cb * (1 - 1 / tp) for layer in share.layers]
+    recomputed = {layer.name for layer in share.recomputed}  # keep only the unit's input (the previous unit's output)
+    share.kept = [
+        layer.output * cb / tp if layer.name in recomputed else held for layer, held in zip(share.layers, share.held)
+    ]
+    share.compute_split = tp
+    if tp > 1:
+        share.comm["tp"] = 2 * sum(layer.tp_traffic for layer in share.layers) * cb * work.micro_batch * work.accumulate
+
+
+def _ep(share: _Share) -> None:
+    """ep divides the experts over its ranks (FSDP gathers and reduces only this rank's), and shards the dense
+    parameters with fsdp; it adds the token copies to their experts and back, forward and backward."""
+    ep, work = share.spec.size("ep"), share.work
+    share.whole = [params - layer.experts * (1 - 1 / ep) for params, layer in zip(share.params, share.layers)]
+    share.reduced = share.trained - sum(layer.trainable_experts for layer in share.layers) * (1 - 1 / ep)
+    share.shards *= ep
+    share.replicas *= ep
+    if ep > 1:
+        copies = sum(layer.routed for layer in share.layers) * share.cb * work.micro_batch * work.accumulate
+        share.comm["ep"] = share.comm.get("ep", 0.0) + 4 * copies
+
+
+def _fsdp(share: _Share) -> None:
+    """fsdp shards the parameters, gradients and optimizer states, over fsdp x ep (experts over fsdp alone); it adds
+    the all-gathers (forward, and backward for units resharded after forward), the gradient reduce-scatter, and the
+    gathered buffers: the root plus two units (the one running and the prefetch)."""
+    fsdp, work = share.spec.size("fsdp"), share.work
+    share.shards *= fsdp
+    share.replicas *= fsdp
+    if share.shards == 1:
+        return
+    gathered = _in_bytes(share.layers, share.whole, work.compute_bytes)
+    units = [each for each, layer in zip(gathered, share.layers) if layer.unit]
+    share.gathered = sum(gathered) - sum(units) + 2 * max(units, default=0.0)
+    regathered = sum(units[:-1]) if share.regathers else 0.0
+    axis = "fsdp" if fsdp > 1 else "ep"
+    traffic = (sum(gathered) + regathered) * work.accumulate + share.reduced * 4
+    share.comm[axis] = share.comm.get(axis, 0.0) + traffic
+
+
+def _replicate(share: _Share) -> None:
+    """replicate copies the sharded model (HSDP); it adds the all-reduce of each rank's gradient shard."""
+    rep = share.spec.size("replicate")
+    share.replicas *= rep
+    if rep > 1:
+        share.comm["replicate"] = share.trained / share.shards * 4
+
+
+AXIS_TERMS: tuple[Callable[[_Share], None], ...] = (_pp, _tp, _ep, _fsdp, _replicate)
+"""Every axis's function, in the order `estimate` applies them: each reads what those before it left."""
+
+LISTED = ("fsdp", "ep", "replicate", "tp", "pp")
+"""The order an estimate lists (and adds up) the axes' traffic in; an axis not named here comes after them."""
+
+
+def _in_bytes(layers: list[Layer], counts: list[float], width: float) -> list[float]:
+    """`counts` parameters of each layer in bytes, `width` each, but NF4 weights at their own size (tp is 1 with
+    them)."""
+    return [(count - layer.quantized) * width + layer.quantized_bytes for count, layer in zip(counts, layers)]
+
+
+def _checkpointed(stage: list[Layer], every: int | None) -> list[Layer]:
+    """The units activation checkpointing recomputes, counted per stage as `parallelize` counts them."""
+    return [unit for i, unit in enumerate(layer for layer in stage if layer.unit) if every and i % every == 0]
+
+
+def _activations(share: _Share) -> float:
+    """The rank's activation peak: the end of forward, or a recomputed unit's recomputation in backward (what comes
+    after it freed by then)."""
+    per_sample = sum(share.kept)
+    acts = per_sample * share.in_flight * share.samples
+    acts += share.loss * share.samples
+    recomputed = {layer.name for layer in share.recomputed}
+    before = 0.0
+    for layer, held, kept in zip(share.layers, share.held, share.kept):
+        if layer.name in recomputed:
+            acts = max(acts, (per_sample * (share.in_flight - 1) + before + held) * share.samples)
+        before += kept
+    return acts
+
+
+def _estimate(share: _Share, hw: Hardware) -> Estimate:
+    """The rank's memory, traffic and step time, from its share as the axes left it (`step_s`: this rank's)."""
+    prof, spec, work, layers = share.prof, share.spec, share.work, share.layers
+    param_bytes = sum(_in_bytes(layers, share.params, 4)) / share.shards
+    comm = {axis: share.comm[axis] for axis in sorted(share.comm, key=_listed)}
+    tokens = work.micro_batch * work.seq_len * work.accumulate
+    part = sum(layer.params for layer in layers) / max(prof.params, 1)
+    compute = prof.flops_per_token * part * tokens / share.compute_split / (hw.device_tflops * 1e12 * hw.mfu)
+    # A recomputed unit's forward runs again in backward: a third more of its share of the stage's work.
+    recomputed = sum(layer.params for layer in share.recomputed)
+    compute *= 1 + recomputed / max(sum(layer.params for layer in layers), 1) / 3
+    compute /= share.bubble
+    seconds = compute + sum(b / (_bandwidth(spec, axis, hw) * 1e9) for axis, b in comm.items())
+    grads = share.trained / share.shards * 4
+    states = OPTIMIZER_STATES[work.optimizer]
+    return Estimate(
+        str(spec),
+        share.schedule,
+        param_bytes,
+        grads,
+        grads * states,
+        _activations(share),
+        share.gathered,
+        comm,
+        seconds,
+        activation_checkpointing=work.activation_checkpointing,
+        micro_batch=work.micro_batch,
+        accumulate=work.accumulate,
+    )
+
+
 def estimate(
     prof: ModelProfile,
     spec: MeshSpec,
@@ -39,104 +244,41 @@ def estimate(
     """Per-device memory, communication and step time of `spec` (resolved) for this workload: the figures of
     its most loaded rank. `stages`: the pipeline stages in order (pp x virtual of them; rank r holds stages
     r, r + pp, ...)."""
-    pp, rep, fsdp, ep, tp = (spec.size(a) for a in ("pp", "replicate", "fsdp", "ep", "tp"))
-    sharding = fsdp * ep  # dense parameters are sharded over fsdp x ep; experts divided over ep, sharded over fsdp
+    pp = spec.size("pp")
     stages = stages or [prof.layers]
     v = len(stages) // pp
     m = microbatches or (Schedule(schedule or "1f1b", pp, v).microbatches if pp > 1 else 1)  # PipelineStrategy's
-    samples = work.micro_batch / (m if pp > 1 else 1)
-    cb = work.compute_bytes / 4  # the ledger counted fp32 activations
-    states = OPTIMIZER_STATES[work.optimizer]
-
-    def local_params(layers: Iterable[Layer]) -> float:
-        return sum(layer.tp_sharded / tp + layer.params - layer.tp_sharded for layer in layers)
-
-    def local_trainable(layers: Iterable[Layer]) -> float:
-        return sum(layer.tp_trainable / tp + layer.trainable - layer.tp_trainable for layer in layers)
-
-    def whole(layers: Iterable[Layer]) -> float:
-        """What FSDP gathers of `layers` on a rank: dense parameters whole, experts this rank's ep share."""
-        return sum(local_params([layer]) - layer.experts * (1 - 1 / ep) for layer in layers)
-
-    def in_bytes(layers: Iterable[Layer], counted: Callable[[Layer], float], width: float) -> float:
-        """`counted(layer)` parameters in bytes, `width` each, but NF4 weights at their own size (tp is 1 with them)."""
-        return sum((counted(layer) - layer.quantized) * width + layer.quantized_bytes for layer in layers)
-
-    def gathered_bytes(layers: Iterable[Layer]) -> float:
-        return in_bytes(layers, lambda layer: whole([layer]), work.compute_bytes)
-
-    def held(layer: Layer) -> float:
-        """What a sample's forward through `layer` keeps for backward, per rank."""
-        if tp == 1:
-            return layer.activations * cb
-        return layer.activations * cb / tp + layer.gathered_inputs * cb * (1 - 1 / tp)
-
-    def checkpointed(stage: list[Layer]) -> list[Layer]:
-        """The units activation checkpointing recomputes, counted per stage as `parallelize` counts them."""
-        every = work.checkpoint_every
-        return [unit for i, unit in enumerate(layer for layer in stage if layer.unit) if every and i % every == 0]
-
-    policy = work.activation_checkpointing
     worst: Estimate | None = None
     slowest = 0.0
     for rank in range(pp):
         mine = [(i, stage) for i, stage in enumerate(stages) if i % pp == rank]
-        layers = [layer for _, stage in mine for layer in stage]
-        recomputed = [layer for _, stage in mine for layer in checkpointed(stage)]
-        kept_input = {layer.name for layer in recomputed}  # only the unit's input (the previous unit's output)
-        param_bytes = in_bytes(layers, lambda layer: local_params([layer]), 4) / sharding
-        trained = local_trainable(layers)  # of tp_params: what has gradients and optimizer state
-        reduced = trained - sum(layer.trainable_experts for layer in layers) * (1 - 1 / ep)  # experts: over fsdp
-        in_flight = _in_flight(schedule if pp > 1 else None, pp, rank, m, v)
-        kept = [layer.output * cb / tp if layer.name in kept_input else held(layer) for layer in layers]
-        per_sample = sum(kept)
-        acts = per_sample * in_flight * samples  # at the end of forward
-        if any(i == len(stages) - 1 for i, _ in mine):
-            acts += prof.loss_activations * cb * samples
-        before = 0.0
-        for layer, holds in zip(layers, kept):
-            if layer.name in kept_input:  # recomputed in backward: what comes after it is freed by then
-                acts = max(acts, (per_sample * (in_flight - 1) + before + held(layer)) * samples)
-            before += holds
-        units = [gathered_bytes([layer]) for layer in layers if layer.unit]
-        all_gathered = gathered_bytes(layers)
-        gathered = 0.0
-        if sharding > 1:
-            gathered = all_gathered - sum(units) + 2 * max(units, default=0.0)
-        comm: dict[str, float] = {}
-        if sharding > 1:
-            # Default resharding re-gathers every unit but the last in backward; pipelines keep them gathered.
-            regathered = 0.0 if pp > 1 else sum(units[:-1])
-            axis = "fsdp" if fsdp > 1 else "ep"
-            comm[axis] = (all_gathered + regathered) * work.accumulate + reduced * 4
-        if ep > 1:  # the token copies to their experts and back, in forward and backward
-            copies = sum(layer.routed for layer in layers) * cb * work.micro_batch * work.accumulate
-            comm["ep"] = comm.get("ep", 0.0) + 4 * copies
-        if rep > 1:
-            comm["replicate"] = trained / sharding * 4
-        if tp > 1:
-            comm["tp"] = 2 * sum(layer.tp_traffic for layer in layers) * cb * work.micro_batch * work.accumulate
-        if pp > 1:
-            sent = sum(stage[-1].output for i, stage in mine if i < len(stages) - 1)
-            comm["pp"] = 2 * sent * cb * work.micro_batch * work.accumulate
-        tokens = work.micro_batch * work.seq_len * work.accumulate
-        share = sum(layer.params for layer in layers) / max(prof.params, 1)
-        compute = prof.flops_per_token * share * tokens / tp / (hw.device_tflops * 1e12 * hw.mfu)
-        # A recomputed unit's forward runs again in backward: a third more of its share of the stage's work.
-        compute *= 1 + sum(layer.params for layer in recomputed) / max(sum(layer.params for layer in layers), 1) / 3
-        if pp > 1:
-            compute /= 1 - (pp - 1) / (v * m + pp - 1)
-        seconds = compute + sum(b / (_bandwidth(spec, axis, hw) * 1e9) for axis, b in comm.items())
-        slowest = max(slowest, seconds)
-        grads = trained / sharding * 4
-        e = Estimate(str(spec), schedule, param_bytes, grads, grads * states, acts, gathered, comm, seconds)
-        e.activation_checkpointing, e.micro_batch, e.accumulate = policy, work.micro_batch, work.accumulate
+        share = _Share(
+            prof,
+            spec,
+            work,
+            rank,
+            stages=mine,
+            layers=[layer for _, stage in mine for layer in stage],
+            recomputed=[layer for _, stage in mine for layer in _checkpointed(stage, work.checkpoint_every)],
+            num_stages=len(stages),
+            schedule=schedule,
+            microbatches=m,
+            cb=work.compute_bytes / 4,
+        )
+        for axis_terms in AXIS_TERMS:
+            axis_terms(share)
+        e = _estimate(share, hw)
+        slowest = max(slowest, e.step_s)
         if worst is None or e.peak > worst.peak:
             worst = e
     worst.step_s = slowest
-    worst.tokens_per_s = work.micro_batch * work.seq_len * work.accumulate * rep * sharding / slowest
+    worst.tokens_per_s = work.micro_batch * work.seq_len * work.accumulate * share.replicas / slowest
     worst.fits = worst.peak <= hw.device_memory
     return worst
+
+
+def _listed(axis: str) -> int:
+    return LISTED.index(axis) if axis in LISTED else len(LISTED)
 
 
 def _bandwidth(spec: MeshSpec, axis: str, hw: Hardware) -> float:
