@@ -190,7 +190,7 @@ POST_PROCESSED = {
 
 @pytest.mark.parametrize("family", POST_PROCESSED)
 def test_a_family_that_scales_its_logits_exports_a_model_with_parallelkits_logits(tmp_path, family):
-    from parallelkit.models.hf_io import export_hf
+    from parallelkit.models.hf_export import export_hf
 
     model = HFCausalLM({"model_type": family, **TINY_LLAMA, **POST_PROCESSED[family]}).eval()
     ckpt = tmp_path / "run.ckpt"

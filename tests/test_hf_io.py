@@ -17,7 +17,8 @@ from parallelkit.checkpoint import consolidate
 from parallelkit.data import TextDataModule
 from parallelkit.errors import ConfigError
 from parallelkit.models import HFCausalLM
-from parallelkit.models.hf_io import INDEX, export_hf
+from parallelkit.models.hf_export import export_hf
+from parallelkit.models.hf_io import INDEX
 
 LLAMA = TINY_LLAMA
 STEPS = 10

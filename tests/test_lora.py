@@ -27,7 +27,7 @@ from parallelkit.errors import ConfigError
 from parallelkit.init import materialize, meta_parameters
 from parallelkit.lora import LoRALinear, add_adapters
 from parallelkit.models import GPT, HFCausalLM
-from parallelkit.models.hf_io import export_hf
+from parallelkit.models.hf_export import export_hf
 
 CONFIG = "lora.yaml"
 """A Llama (4 heads, 2 key/value heads) with rank-8 adapters on q, k, v and o, on FSDP2 x tp [[2, 2]], meta_init."""

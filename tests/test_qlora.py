@@ -17,7 +17,7 @@ from parallelkit.errors import ConfigError, PlanError
 from parallelkit.lora import quantized_names
 from parallelkit.memory import nf4_bytes
 from parallelkit.models import HFCausalLM
-from parallelkit.models.hf_io import export_hf
+from parallelkit.models.hf_export import export_hf
 from parallelkit.parallel import resolve
 from parallelkit.quantize import BLOCK, SCALER_BLOCK, quantization_scaler_block, scaler_block_size
 from parallelkit.strategies import FSDPTPStrategy

@@ -10,7 +10,7 @@ from parallelkit.cli.config import parse_size
 
 def export_hf_command(argv: Sequence[str]) -> int:
     """Write an HFCausalLM checkpoint as a Hugging Face model directory (config.json, safetensors, tokenizer)."""
-    from parallelkit.models.hf_io import export_hf
+    from parallelkit.models.hf_export import export_hf
 
     parser = argparse.ArgumentParser(prog="parallelkit export-hf", description=export_hf_command.__doc__)
     parser.add_argument("checkpoint", help="a checkpoint of parallelkit.models.HFCausalLM (sharded directory or file)")
