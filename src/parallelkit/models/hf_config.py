@@ -1,5 +1,5 @@
 """transformers and a model's config: the supported versions, and a config built from a mapping or a local directory
-(read as JSON; nothing in it runs). Shared by `HFCausalLM` and the export (`hf_io`)."""
+(read as JSON; nothing in it runs). Shared by `HFCausalLM` and the export (`hf_export`)."""
 
 from __future__ import annotations
 

@@ -14,9 +14,6 @@ Accumulation: torch's schedules end every `step()` with each stage's gradient re
 which turns FSDP's gradient sync back on and reduce-scatters). On accumulation micro-steps the strategy holds it
 back (`block_backward_sync`, which Lightning enters on exactly those micro-steps), so each stage reduce-scatters
 once per optimizer step, as `fsdp_tp` does.
-
-Over 400 lines: one strategy's lifecycle (options, stages, schedule) and its routing of every step kind (train,
-validation, test, predict) for both batch conventions, with the stage subclass and the clock torch's schedules need.
 """
 
 from __future__ import annotations
