@@ -1,6 +1,7 @@
 """Bad input through the CLI, as a new user makes it: each class ends in parallelkit's one-paragraph error on stderr
 (field, value, fix), printed once however many ranks met it, exit code 2, no traceback, no hang."""
 
+import argparse
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
@@ -289,7 +290,8 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         ["The val split of the built-in conversations holds", "fewer than one global batch of 8", "data.val_fraction"],
     ),
     "val_check_interval beyond an epoch's batches": (
-        fit_config("single.yaml", f"--data.init_args.paths={REPO / 'README.md'}", "--trainer.val_check_interval=500"),
+        # A text of fixed size (~100 KB: about 190 batches of 8 x 64 bytes an epoch, a val split of 10 batches).
+        fit_config("single.yaml", f"--data.init_args.paths={argparse.__file__}", "--trainer.val_check_interval=500"),
         [
             "trainer.val_check_interval=500 batches is more than an epoch's",
             "validation would never run",
