@@ -1,0 +1,212 @@
+"""Context parallelism: every sequence split over the ranks of a `cp` group, attention computed across the split.
+
+**The split.** A sequence of T tokens is cut into 2 x cp chunks of equal length, and cp rank i holds chunks i and
+2cp-1-i, in that order (`SequenceSplit`). Under a causal mask a query attends to the keys before it, so an early chunk
+costs little and a late one much; pairing the i-th with the i-th from the end gives every rank the same work, as
+torchtitan, Megatron and Llama 3's training do. Positions (rotary tables, document boundaries) are the whole
+sequence's: a rank's tokens keep their global indices.
+
+**Two ways to attend across the split**, both plain `torch.distributed` collectives with autograd (gloo and nccl
+alike), both exact (the same scores and softmax as one process, only another summation order):
+
+- `allgather_attention`: each rank gathers every rank's keys and values (an all-gather of K and V; in backward their
+  gradients are summed back to the ranks that own them) and attends its own queries against the whole sequence with
+  the causal and document mask of their global indices. Any head count, grouped-query attention included; K and V of
+  the whole sequence are held for the call (Llama 3's training and torchtitan's `allgather` rotation do this).
+- `ulysses_attention` (DeepSpeed Ulysses): an all-to-all turns sequence-sharded q, k, v of every head into the whole
+  sequence of H / cp heads; each rank attends those heads over the whole sequence, and a second all-to-all turns the
+  output back. Four all-to-alls of the activations' size per layer, independent of cp; needs the (query and key/value)
+  head counts divisible by cp.
+
+The masks are built from the whole sequence's positions, gathered once per call: a packed row's documents (positions
+restart at 0 where an example begins) are kept apart across the split exactly as on one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from parallelkit.errors import PlanError
+
+METHODS = ("allgather", "ulysses")
+"""The attention methods `context_parallel.method` may name."""
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """Which tokens of a sequence cp rank `rank` of `cp` holds: chunks `rank` and `2 cp - 1 - rank` of 2 x cp."""
+
+    cp: int
+    rank: int
+
+    def check(self, seq_len: int, what: str = "data.seq_len") -> None:
+        """Refuse a sequence the split cannot cut into 2 x cp equal chunks, naming the numbers and a fix."""
+        chunks = 2 * self.cp
+        if seq_len % chunks:
+            fits = seq_len - seq_len % chunks
+            raise PlanError(
+                f"{what}={seq_len} is not divisible by 2 x cp = {chunks}: context parallelism cuts each sequence into "
+                f"2 x cp chunks of equal length (rank i holds chunks i and {chunks - 1}-i, so causal work is "
+                f"balanced). Fix: {what}={fits or chunks}, or a cp size that divides {seq_len} / 2."
+            )
+
+    def indices(self, seq_len: int, rank: int | None = None) -> torch.Tensor:
+        """Global indices of `rank`'s tokens (default: this split's), in the order it holds them."""
+        self.check(seq_len)
+        rank = self.rank if rank is None else rank
+        chunk = seq_len // (2 * self.cp)
+        first, second = rank * chunk, (2 * self.cp - 1 - rank) * chunk
+        return torch.cat((torch.arange(first, first + chunk), torch.arange(second, second + chunk)))
+
+    def gathered(self, seq_len: int) -> torch.Tensor:
+        """Global indices of the tokens of every rank laid end to end in rank order (what an all-gather gives)."""
+        return torch.cat([self.indices(seq_len, rank) for rank in range(self.cp)])
+
+    def order(self, seq_len: int) -> torch.Tensor:
+        """The permutation that puts gathered tokens (`gathered`) back into sequence order: `gathered[order]` is
+        `arange(seq_len)`."""
+        return torch.argsort(self.gathered(seq_len))
+
+    def take(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's tokens of `tensor`, whose dimension `dim` is the whole sequence."""
+        index = self.indices(tensor.shape[dim]).to(tensor.device)
+        return tensor.index_select(dim, index)
+
+
+class _Gather(torch.autograd.Function):
+    """All-gather along `dim` whose backward sums every rank's gradient of each part on the part's owner.
+
+    (torch's own differentiable all-gather emulates that sum on gloo with an all-to-all that addresses ranks of the
+    whole world, not of the group, so it fails on a cp group that is not the world.)"""
+
+    @staticmethod
+    def forward(ctx, tensor: torch.Tensor, group: object, dim: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        ctx.group, ctx.dim = group, dim
+        parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, tensor.contiguous(), group=group)
+        return torch.cat(parts, dim=dim)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        import torch.distributed as dist
+
+        parts = torch.stack(grad.chunk(dist.get_world_size(ctx.group), dim=ctx.dim)).contiguous()
+        received = torch.empty_like(parts)  # [r]: rank r's gradient of this rank's part
+        dist.all_to_all_single(received, parts, group=ctx.group)
+        return received.sum(0), None, None
+
+
+def _gather(tensor: torch.Tensor, group: object, split: SequenceSplit, dim: int) -> torch.Tensor:
+    """Every rank's `tensor` (this rank's tokens along `dim`) as the whole sequence in order; differentiable."""
+    whole = _Gather.apply(tensor, group, dim)
+    return whole.index_select(dim, split.order(whole.shape[dim]).to(whole.device))
+
+
+def _whole_positions(
+    positions: torch.Tensor | None, group: object, split: SequenceSplit, local: int, like: torch.Tensor
+):
+    """The whole sequence's positions, (batch, seq): gathered from every rank's, or the token indices when the
+    batch has none (an unpacked row)."""
+    if positions is None:
+        return torch.arange(local * split.cp, device=like.device).expand(like.shape[0], -1)
+    with torch.no_grad():
+        return _gather(positions, group, split, dim=1)
+
+
+def _documents(positions: torch.Tensor) -> torch.Tensor:
+    """Each token's example within its packed row, (batch, seq): a new one wherever a position does not follow the
+    one before it (as transformers reads packed `position_ids`)."""
+    starts = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1) != 1
+    return starts.cumsum(-1)
+
+
+def allgather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor | None,
+    group: object,
+    split: SequenceSplit,
+) -> torch.Tensor:
+    """Attention of this rank's queries against the whole sequence's keys and values.
+
+    `q`: (batch, heads, local, dim), `k`/`v`: (batch, kv_heads, local, dim), this rank's tokens in `split`'s order;
+    `positions`: their global positions (batch, local), or None for an unpacked causal row. Returns (batch, heads,
+    local, dim), what one process's causal (document-masked) attention gives at these queries."""
+    local = q.shape[2]
+    keys, values = _gather(k, group, split, dim=2), _gather(v, group, split, dim=2)
+    whole = _whole_positions(positions, group, split, local, q)
+    documents = _documents(whole)
+    query_index = split.indices(whole.shape[1]).to(q.device)
+    causal = query_index.unsqueeze(-1) >= torch.arange(whole.shape[1], device=q.device)
+    same = documents.index_select(1, query_index).unsqueeze(-1) == documents.unsqueeze(-2)
+    mask = (causal & same).unsqueeze(1)  # (batch, 1, local, seq)
+    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _sequence_for_heads(tensor: torch.Tensor, group: object, split: SequenceSplit) -> torch.Tensor:
+    """(batch, heads, local, dim) of this rank's tokens -> (batch, heads / cp, seq, dim): the whole sequence of this
+    rank's share of the heads, by one all-to-all."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    batch, heads, local, dim = tensor.shape
+    cp = split.cp
+    out = tensor.reshape(batch, cp, heads // cp, local, dim).transpose(0, 1).contiguous()
+    received = all_to_all_single(torch.empty_like(out), out, group=group)  # [r]: rank r's tokens, my heads
+    whole = received.permute(1, 2, 0, 3, 4).reshape(batch, heads // cp, cp * local, dim)
+    return whole.index_select(2, split.order(cp * local).to(tensor.device))
+
+
+def _heads_for_sequence(tensor: torch.Tensor, group: object, split: SequenceSplit) -> torch.Tensor:
+    """The inverse of `_sequence_for_heads`: (batch, heads / cp, seq, dim) -> (batch, heads, local, dim)."""
+    from torch.distributed.nn.functional import all_to_all_single
+
+    batch, shared, seq, dim = tensor.shape
+    cp = split.cp
+    by_rank = tensor.index_select(2, split.gathered(seq).to(tensor.device))  # rank r's tokens at [r * local, ...)
+    out = by_rank.reshape(batch, shared, cp, seq // cp, dim).permute(2, 0, 1, 3, 4).contiguous()
+    received = all_to_all_single(torch.empty_like(out), out, group=group)  # [j]: my tokens, head group j
+    return received.transpose(0, 1).reshape(batch, cp * shared, seq // cp, dim)
+
+
+def ulysses_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor | None,
+    group: object,
+    split: SequenceSplit,
+) -> torch.Tensor:
+    """Attention by heads: all-to-all to the whole sequence of heads / cp heads, attention as on one process,
+    all-to-all back. Shapes as `allgather_attention`'s; every head count divisible by cp (`check_heads`)."""
+    local = q.shape[2]
+    check_heads(q.shape[1], k.shape[1], split.cp)
+    whole = _whole_positions(positions, group, split, local, q)
+    queries, keys, values = (_sequence_for_heads(t, group, split) for t in (q, k, v))
+    documents = _documents(whole)
+    seq = whole.shape[1]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    mask = ((documents.unsqueeze(-1) == documents.unsqueeze(-2)) & causal).unsqueeze(1)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=mask, enable_gqa=keys.shape[1] != queries.shape[1]
+    )
+    return _heads_for_sequence(out, group, split)
+
+
+def check_heads(heads: int, kv_heads: int, cp: int) -> None:
+    """Refuse Ulysses for head counts cp does not divide, naming them and the fix."""
+    if heads % cp or kv_heads % cp:
+        raise PlanError(
+            f"context_parallel method 'ulysses' needs the attention's heads divisible by cp: this rank holds {heads} "
+            f"query and {kv_heads} key/value heads, cp={cp}. Fix: context_parallel.method=allgather (any head count), "
+            f"or a cp size that divides {heads} and {kv_heads}."
+        )
+
+
+ATTENTION = {"allgather": allgather_attention, "ulysses": ulysses_attention}
+"""Each method's attention function: (q, k, v, positions, group, split) -> output."""
