@@ -314,6 +314,25 @@ class StateBytes(L.Callback):
             json.dump(parts, f)
 
 
+class FirstGradients(L.Callback):
+    """Writes the whole gradient of every parameter at the first optimizer step (gathered from every rank's shards;
+    rank 0 writes `path`), before the optimizer changes anything."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        if trainer.global_step:
+            return
+        grads = {}
+        for name, param in pl_module.named_parameters():
+            grad = param.grad
+            grad = grad.full_tensor() if isinstance(grad, DTensor) else grad  # every rank takes part in the gather
+            grads[name] = grad.detach().cpu().clone()
+        if trainer.global_rank == 0:
+            torch.save(grads, self.path)
+
+
 def _local_bytes(tensors) -> int:
     """Bytes of this rank's parts of `tensors` (a DTensor's local shard; an NF4 weight's codes and scales)."""
     return sum(local_bytes(t) for t in tensors)

@@ -1,13 +1,17 @@
-"""Context parallelism's pieces (`parallelkit.parallel.context_parallel`): the balanced split of a sequence over cp
-ranks, and both attention methods against one process's attention on real process groups."""
+"""Context parallelism (a `cp` mesh axis, `parallelkit.parallel.context_parallel`): the balanced split of a sequence
+over cp ranks, both attention methods against one process's attention on real process groups, and the GPT trained
+with each method, with fsdp and with tp, step by step equal to one process (its gradients too)."""
 
 import json
 
 import pytest
 import torch
-from support import assert_ok, torchrun
+from models import TinyMixer
+from support import assert_ok, assert_same_losses, callback, common, fit, torchrun
 
 from parallelkit.errors import PlanError
+from parallelkit.models import GPT
+from parallelkit.parallel import resolve
 from parallelkit.parallel.context_parallel import SequenceSplit, check_heads
 
 
@@ -26,7 +30,7 @@ def test_each_rank_holds_chunk_i_and_its_mirror_and_the_gathered_order_is_undone
 def test_a_sequence_or_head_count_the_split_cannot_take_is_refused_with_the_numbers_and_a_fix():
     with pytest.raises(PlanError, match=r"data.seq_len=100 is not divisible by 2 x cp = 8.*Fix: data.seq_len=96"):
         SequenceSplit(4, 0).check(100)
-    with pytest.raises(PlanError, match=r"this rank holds 6 query and 2 key/value heads, cp=4.*method=allgather"):
+    with pytest.raises(PlanError, match=r"each tp rank holds 6 query and 2 key/value heads, cp=4.*cp_method=allgather"):
         check_heads(6, 2, 4)
 
 
@@ -42,3 +46,47 @@ def test_both_methods_give_one_processs_attention_and_gradients_across_the_split
         and "ulysses cp=4 kv_heads=4 packed" in checked
         and "allgather cp=4 kv_heads=2 packed" in checked
     )
+
+
+LAYOUTS = {
+    "allgather_fsdp2_cp2": ('[[2, 2], ["fsdp", "cp"]]', 4, "allgather"),
+    "ulysses_fsdp2_cp2": ('[[2, 2], ["fsdp", "cp"]]', 4, "ulysses"),
+    "allgather_cp2_tp2": ('[[2, 2], ["cp", "tp"]]', 8, "allgather"),  # sequence parallelism inside each cp slice
+}
+"""Name -> mesh, rows per process (a global batch of 8: cp and tp ranks share their replica's rows), cp method."""
+
+
+def cp_run(reference, name: str):
+    mesh, rows, method = LAYOUTS[name]
+    layout = (f"--trainer.strategy.mesh_shape={mesh}", f"--data.init_args.batch_size={rows}")
+    extra = (callback("models.FirstGradients", path="first_gradients.pt"),) if name == "allgather_fsdp2_cp2" else ()
+    return reference("hybrid.yaml", *layout, f"--trainer.strategy.cp_method={method}", *extra)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_gpt_with_sequences_split_over_cp_matches_one_process_per_step(baseline, reference, name):
+    """20 steps of hybrid.yaml's GPT, each sequence split over 2 cp ranks, against the session's one process."""
+    assert_same_losses(baseline("plain").losses(), cp_run(reference, name).losses())
+
+
+def test_the_cp_runs_first_gradients_are_one_processs(tmp_path, corpus, reference):
+    """The gradients, not only the loss: every parameter's at the first step of the [[2, 2], ["fsdp", "cp"]] run,
+    gathered whole, equal one process's on the same batch (1e-5)."""
+    run = cp_run(reference, "allgather_fsdp2_cp2")
+    split = run.log / "first_gradients.pt"  # written in the run's directory, its working directory
+    one = callback("models.FirstGradients", path=str(tmp_path / "one.pt"))
+    assert_ok(fit("single.yaml", tmp_path, *common(corpus, tmp_path / "cache", steps=1), one))
+    expected, actual = torch.load(tmp_path / "one.pt"), torch.load(split)
+    assert expected.keys() == actual.keys() and len(expected) > 10
+    for name, grad in expected.items():
+        torch.testing.assert_close(actual[name], grad, rtol=1e-5, atol=1e-7, msg=name)
+
+
+def test_what_cp_cannot_split_is_refused_naming_it():
+    with pytest.raises(PlanError, match=r"cp=2, but TinyMixer declares no attention modules.*Fix: name"):
+        resolve(TinyMixer(), cp=2)
+    with pytest.raises(PlanError, match=r"cp_method='ulysses' needs.*each tp rank holds 3 query"):
+        resolve(GPT(n_layer=1, n_head=6, n_embd=48), tp=2, cp=2, cp_method="ulysses")
+    with pytest.raises(PlanError, match=r"cp_method='ring' is not a context-parallel method"):
+        resolve(GPT(n_layer=1), cp=2, cp_method="ring")
+    assert resolve(GPT(n_layer=2), cp=2).attention == ["blocks.0.attn", "blocks.1.attn"]

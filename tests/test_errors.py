@@ -259,6 +259,22 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         fit_config("single.yaml", "--trainer.strategy=fsdp_tp", "--trainer.strategy.mesh_shape=[[1, 3], [fsdp, tp]]"),
         ["fsdp=1 x tp=3 = 3 processes", "world size is 1"],
     ),
+    "a sequence cp cannot cut into 2 x cp chunks": (
+        fit_config(
+            "hybrid.yaml", '--trainer.strategy.mesh_shape=[[1, 4], ["fsdp", "cp"]]', "--data.init_args.seq_len=60"
+        ),
+        ["data.seq_len=60 is not divisible by 2 x cp = 8", "Fix: data.seq_len=56"],
+    ),
+    "cp under a pipeline": (
+        fit_config("1f1b.yaml", '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "cp"]]', "--trainer.devices=4"),
+        ["splits sequences over cp=2, which pipelines do not run yet", "Fix: FSDPTPStrategy (fsdp_tp) with the cp"],
+    ),
+    "cp with compile": (
+        fit_config(
+            "hybrid.yaml", '--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]', "--trainer.strategy.compile=true"
+        ),
+        ["splits sequences over cp=2, which does not yet combine with compile", "Fix: a mesh without cp"],
+    ),
     "a dry run of a model preset, which names no strategy": (
         lambda tmp: parallelkit("check", "--dry-run", "--config", PRESET_70B, "--devices-per-node", "8", cwd=tmp),
         [

@@ -349,11 +349,19 @@ GPT_MODEL = (
 placeholder positions to learn shapes, which the positions' rotary angles must survive)."""
 
 
-@pytest.mark.parametrize("name", [*LAYOUTS, "gpt_1f1b_pp2"])
+GPT_LAYOUTS = {
+    "1f1b_pp2": LAYOUTS["1f1b_pp2"],
+    # Context parallelism: each packed row split over the cp ranks, its documents crossing the slices' edges.
+    "fsdp2_cp2": ('--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]', "--data.init_args.batch_size=4"),
+    "cp4": ('--trainer.strategy.mesh_shape=[[1, 4], ["fsdp", "cp"]]', "--data.init_args.batch_size=8"),
+}
+
+
+@pytest.mark.parametrize("name", [*LAYOUTS, *(f"gpt_{name}" for name in GPT_LAYOUTS)])
 def test_packed_sft_matches_one_process_per_step(runs, name):
     if name.startswith("gpt_"):
         expected = runs("gpt_one", *ONE_PROCESS, *GPT_MODEL)
-        actual = runs(name, *LAYOUTS[name.removeprefix("gpt_")], *GPT_MODEL)
+        actual = runs(name, *GPT_LAYOUTS[name.removeprefix("gpt_")], *GPT_MODEL)
     else:
         expected, actual = runs("one", *ONE_PROCESS), runs(name, *LAYOUTS[name])
     assert_same_losses(step_losses(expected), step_losses(actual))

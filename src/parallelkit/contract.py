@@ -71,6 +71,13 @@ transformers' MoE families (Qwen3-MoE, Mixtral, OLMoE, ...) follow it; so does p
 """What a module named in `ParallelPlan.experts` must be: expert parallelism replaces its forward by one that sends
 each token to the rank holding its expert and calls the module's own forward there on the experts that rank holds."""
 
+ATTENTION_CONTRACT = """an attention module computes its attention in a method `attend(q, k, v, positions) -> out`:
+q (batch, heads, seq, head_dim), k and v (batch, kv_heads, seq, head_dim) after the rotary embedding, `positions`
+(batch, seq) the tokens' positions (restarting at 0 where a packed example begins) or None for one causal row; out
+(batch, heads, seq, head_dim) is causal attention within each example. parallelkit's GPT follows it."""
+"""What a module named in `ParallelPlan.attention` must be: context parallelism, which gives each rank a slice of
+every sequence, replaces its `attend` by one that attends across the slices (`parallel/context_parallel.py`)."""
+
 
 def matches(pattern: str, fqn: str) -> bool:
     """True when `fqn` matches `pattern` segment by segment (`*`, and any fnmatch pattern, never crosses a dot)."""
@@ -126,6 +133,8 @@ class ParallelPlan:
         experts: Globs of the mixture-of-experts layers' experts modules, which expert parallelism divides over the
             `ep` axis (each rank holds `num_experts / ep` whole experts). Such a module follows `EXPERTS_CONTRACT`.
         experts_refusal: Why this model's experts cannot be divided (the error an `ep` layout raises; empty: they can).
+        attention: Globs of the attention modules, which context parallelism makes attend across the `cp` axis's
+            slices of the sequence. Such a module follows `ATTENTION_CONTRACT`.
         tp_divisors: Counts that the tp degree must divide, by what they count (e.g. {"key/value heads": 2}):
             whole heads per rank. Sizes of split weights are checked from the modules themselves.
         loss: `loss(output, target)`: the mean loss of a batch from the model's output (the last pipeline stage
@@ -149,6 +158,7 @@ class ParallelPlan:
     tp_refusal: str = ""
     experts: Sequence[str] = ()
     experts_refusal: str = ""
+    attention: Sequence[str] = ()
     tp_divisors: Mapping[str, int] = field(default_factory=dict)
     loss: Callable[[Any, Any], Any] | None = None
     split_batch: Callable[[Any], tuple[Any, Any]] = split_pair
@@ -167,6 +177,7 @@ class ParallelPlan:
             fsdp_units=getattr(model, "fsdp_units", None),
             pipeline_layers=getattr(model, "pipeline_layers", None),
             experts=tuple(getattr(model, "experts_plan", None) or ()),
+            attention=tuple(getattr(model, "attention_plan", None) or ()),
             tp_divisors=_declared_head_counts(model, getattr(model, "tp_plan", None) or {}),
             loss=loss if callable(loss) else None,
             flops_per_token=flops if callable(flops) else None,

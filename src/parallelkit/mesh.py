@@ -24,7 +24,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from parallelkit.compat import flatten_mesh, flattened_meshes, mesh_with_flattened, set_group_timeout
 from parallelkit.errors import MeshError
 
-AXES = ("pp", "replicate", "fsdp", "ep", "tp")
+AXES = ("pp", "replicate", "fsdp", "ep", "cp", "tp")
 """Every axis name, in the only order they may appear (outer to inner)."""
 
 DATA_PARALLEL_AXES = ("replicate", "fsdp", "ep")
@@ -35,9 +35,18 @@ mixture-of-experts layer are divided over it instead (`parallelkit.parallel.expe
 DATA_PARALLEL_MESH = "data_parallel"
 """Name of the flattened axis that `build` adds over every data-parallel axis present (replicate x fsdp x ep)."""
 
+SHARD_AXES = ("fsdp", "ep", "cp")
+"""Axes FSDP shards dense parameters over. `cp` (context parallel) ranks hold slices of the same sequences: they
+share a batch, as tp ranks do, but each computes gradients from its own tokens, so for the parameters they are
+data-parallel (`parallelkit.parallel.context_parallel`)."""
+
 SHARD_MESH = "dp_shard"
-"""Name of the flattened axis that `build` adds over `fsdp` x `ep` when the mesh has both: dense parameters are
-sharded over it."""
+"""Name of the flattened axis that `build` adds over the shard axes (`SHARD_AXES`) when the mesh has more than one:
+dense parameters are sharded over it."""
+
+TOKEN_MESH = "dp_cp"
+"""Name of the flattened axis that `build` adds over the data-parallel axes and `cp` when the mesh has cp: the ranks
+whose tokens differ, over which losses and metrics are summed or averaged."""
 
 LIGHTNING_AXES = {DATA_PARALLEL_MESH: DATA_PARALLEL_AXES, "tensor_parallel": ("tp",)}
 """The axis names of Lightning's ModelParallelStrategy mesh, and the axes each one spans here: a module written for
@@ -193,6 +202,11 @@ class MeshSpec:
         return math.prod(self.sizes)
 
     @property
+    def cp_size(self) -> int:
+        """Context-parallel degree: the ranks each sequence is split over (1 without a cp axis)."""
+        return self.size("cp")
+
+    @property
     def dp_size(self) -> int:
         """Data-parallel degree: replicas x shards x expert-parallel ranks, the number of distinct batches per step."""
         return self.size("replicate") * self.size("fsdp") * self.size("ep")
@@ -232,8 +246,12 @@ class MeshSpec:
             present = tuple(axis for axis in axes if axis in self.names)
             if present:
                 flatten_mesh(mesh[present], name)
-        if all(axis in self.names for axis in ("fsdp", "ep")):
-            flatten_mesh(mesh["fsdp", "ep"], SHARD_MESH)
+        shard = tuple(axis for axis in SHARD_AXES if axis in self.names)
+        if len(shard) > 1:
+            flatten_mesh(mesh[shard], SHARD_MESH)
+        tokens = tuple(axis for axis in (*DATA_PARALLEL_AXES, "cp") if axis in self.names)
+        if "cp" in self.names and len(tokens) > 1:
+            flatten_mesh(mesh[tokens], TOKEN_MESH)
         if timeout is not None:
             groups = [mesh.get_group(name) for name in self.names]
             groups += [flat.get_group() for flat in flattened_meshes(mesh).values()]
@@ -269,13 +287,15 @@ def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 
 
 def dense_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
-    """The mesh FSDP shards dense parameters over: the data-parallel axes, 2-D (replicate, shard) for HSDP, where
-    the shard axis is `fsdp` x `ep` (`SHARD_MESH`) when the mesh has both; None without a data-parallel axis."""
+    """The mesh FSDP shards dense parameters over: the data-parallel axes and cp, 2-D (replicate, shard) for HSDP,
+    where the shard axis is the shard axes flattened (`SHARD_MESH`) when the mesh has several; None without any."""
     names = mesh.mesh_dim_names or ()
-    shard = [axis for axis in ("fsdp", "ep") if axis in names]
-    shard_name = SHARD_MESH if len(shard) == 2 else (shard[0] if shard else None)
+    shard = [axis for axis in SHARD_AXES if axis in names]
+    shard_name = SHARD_MESH if len(shard) > 1 else (shard[0] if shard else None)
     if "replicate" in names and shard_name is not None:
         return mesh_with_flattened(mesh, ("replicate", shard_name))
+    if "cp" in names:
+        return mesh[shard_name]
     return data_parallel_mesh(mesh)
 
 
@@ -310,6 +330,24 @@ def data_parallel_size(strategy: Any) -> int:
     """Number of distinct batches per step: a parallelkit mesh's dp size, else every process."""
     spec = getattr(strategy, "mesh_spec", None)
     return spec.dp_size if spec is not None else strategy.world_size
+
+
+def reduction_size(strategy: Any) -> int:
+    """Number of ranks whose gradients the reduction averages: the data-parallel ranks times the cp ranks, each of
+    which computes gradients from its own slice of the sequences."""
+    spec = getattr(strategy, "mesh_spec", None)
+    return spec.dp_size * spec.cp_size if spec is not None else strategy.world_size
+
+
+def token_group(strategy: Any) -> Any:
+    """Process group over which a strategy's tokens differ: the data-parallel group, with the cp ranks when the mesh
+    splits sequences (their losses and metrics are parts of one batch's). None: the whole world."""
+    mesh = getattr(strategy, "device_mesh", None)
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if "cp" not in names:
+        return data_parallel_group(strategy)
+    present = [axis for axis in (*DATA_PARALLEL_AXES, "cp") if axis in names]
+    return mesh[TOKEN_MESH if len(present) > 1 else "cp"].get_group()
 
 
 def data_parallel_group(strategy: Any) -> Any:

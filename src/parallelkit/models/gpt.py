@@ -74,11 +74,15 @@ class Attention(nn.Module):
         # -1 heads: under tensor parallelism this rank holds n_head / tp of them.
         q, k, v = (t.view(batch, seq, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
         q, k = rotary(q, positions), rotary(k, positions)
-        if positions is None:
-            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions))
+        y = self.attend(q, k, v, positions)
         return self.proj(y.transpose(1, 2).reshape(batch, seq, -1))
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """Causal attention within each example (`parallelkit.contract.ATTENTION_CONTRACT`): what context parallelism
+        replaces by attention across the ranks' slices of the sequence."""
+        if positions is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=document_mask(positions))
 
 
 def document_mask(positions: torch.Tensor) -> torch.Tensor:
@@ -214,6 +218,7 @@ class GPT(CausalLM):
     }
     fsdp_units = ["blocks.*"]
     pipeline_layers = ["tok_emb", "blocks.*", "norm", "head"]
+    attention_plan = ["blocks.*.attn"]
 
     def __init__(
         self,

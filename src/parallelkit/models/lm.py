@@ -14,7 +14,7 @@ from torchmetrics import MeanMetric
 from typing_extensions import override
 
 from parallelkit.contract import IGNORE_INDEX, token_share
-from parallelkit.mesh import data_parallel_group, data_parallel_size
+from parallelkit.mesh import reduction_size, token_group
 
 Batch = tuple[torch.Tensor, torch.Tensor] | Mapping[str, torch.Tensor]
 """`(inputs, targets)`: token ids, and the next token of each (what the pretraining datamodules yield); or a token
@@ -46,8 +46,9 @@ class CausalLM(L.LightningModule):
 
     @override
     def setup(self, stage: str) -> None:
-        # Metrics average over the data-parallel group only: tp/pp ranks of one replica hold the same batch.
-        self.dp_group = data_parallel_group(self.trainer.strategy)
+        # Metrics average over the ranks whose tokens differ (data-parallel, and cp ranks' slices of one batch): tp/pp
+        # ranks of one replica hold the same tokens.
+        self.dp_group = token_group(self.trainer.strategy)
         self.val_loss.process_group = self.dp_group
 
     @override
@@ -62,16 +63,17 @@ class CausalLM(L.LightningModule):
     def token_training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         """A token batch's step: the loss is the mean over every target of the optimizer step's global batch.
 
-        This process's share (`token_share`) is scaled by the data-parallel size and the accumulation steps, which
-        the gradient reduction's mean and Lightning's division undo: the summed gradient is the token mean's, as one
-        process with the whole global batch computes it. `train_loss` is the step's loss: the shares summed over the
-        data-parallel group and the micro-batches so far (the logger writes it after the last)."""
+        This process's share (`token_share`) is scaled by the ranks the gradient reduction averages over
+        (data-parallel x cp: `reduction_size`) and the accumulation steps, which its mean and Lightning's division
+        undo: the summed gradient is the token mean's, as one process with the whole global batch computes it.
+        `train_loss` is the step's loss: the shares summed over the ranks whose tokens differ and the micro-batches so
+        far (the logger writes it after the last)."""
         labels = batch["labels"]
         loss = self.pipeline_loss(self(batch["input_ids"], batch["position_ids"]), labels)
         share = token_share(loss, labels, batch["num_targets"])
         accumulate = self.trainer.accumulate_grad_batches
         self.log_step_share(share.detach(), batch_idx, accumulate)
-        return share * (data_parallel_size(self.trainer.strategy) * accumulate) + self.auxiliary_loss()
+        return share * (reduction_size(self.trainer.strategy) * accumulate) + self.auxiliary_loss()
 
     def log_step_share(self, share: torch.Tensor, batch_idx: int, accumulate: int) -> None:
         """Log `train_loss` as the sum of the shares of the optimizer step's micro-batches so far, over the

@@ -1,10 +1,12 @@
 """Parallel techniques, one module each, and `parallelize`, which applies them in the one fixed order.
 
 - `resolve`: a model's declared plan resolved for a layout (names, checks, stages): read by everything below;
-- `pipeline`: the stage split; `tensor_parallel`; `expert_parallel`; `activation_checkpoint`; `compile`; `fsdp`.
+- `pipeline`: the stage split; `tensor_parallel`; `expert_parallel`; `context_parallel`; `activation_checkpoint`;
+  `compile`; `fsdp`.
 
 The order, per root (the model, or each of this rank's pipeline stages): pipeline split -> tensor parallel -> expert
-parallel -> activation checkpointing -> compile -> FSDP. The split comes first so each stage is parallelised on its
+parallel -> context parallel (the attention modules attend across the cp ranks' slices of the sequence) -> activation
+checkpointing -> compile -> FSDP. The split comes first so each stage is parallelised on its
 own; tensor and expert parallelism before FSDP, which shards the DTensors they made (tp never splits an experts
 module, so the two are independent); checkpointing inside the FSDP units, so the recompute
 sees gathered parameters; the compiled blocks see tensor parallelism's collectives but not FSDP's. A new technique
@@ -22,6 +24,7 @@ from parallelkit.errors import PlanError
 from parallelkit.mesh import dense_mesh, expert_data_mesh
 from parallelkit.parallel.activation_checkpoint import apply_activation_checkpointing, checkpointed_modules
 from parallelkit.parallel.compile import apply_compile
+from parallelkit.parallel.context_parallel import apply_context_parallel
 from parallelkit.parallel.expert_parallel import apply_expert_parallel
 from parallelkit.parallel.fsdp import (
     DataParallelWrap,
@@ -71,7 +74,7 @@ def parallelize(
         if stages is not None:
             raise PlanError("parallelize(stages=...) needs the plan resolved with its stages: resolve(num_stages=...).")
         sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
-        resolved = resolve(model, tp=sizes.get("tp", 1), ep=sizes.get("ep", 1))
+        resolved = resolve(model, tp=sizes.get("tp", 1), ep=sizes.get("ep", 1), cp=sizes.get("cp", 1))
     name = type(model).__name__
     roots = [model] if stages is None else split_model(model, resolved, stages)
     dp_mesh = dense_mesh(mesh)  # HSDP (2-D) with a replicate axis: replicate across, shard within
@@ -81,6 +84,8 @@ def parallelize(
         if resolved.tp_size > 1:
             apply_tensor_parallel(root, mesh["tp"], resolved)
         experts = apply_expert_parallel(root, mesh["ep"], resolved) if resolved.ep_size > 1 else []
+        if resolved.cp_size > 1:
+            apply_context_parallel(root, mesh["cp"], resolved.attention, resolved.cp_method)
         if prepare is not None and dp_mesh is None:
             prepare(root)  # with FSDP, each unit just before it is sharded (its full-size parameters one at a time)
         held = dict(root.named_modules())

@@ -24,15 +24,23 @@ restart at 0 where an example begins) are kept apart across the split exactly as
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from parallelkit.contract import split_pair
 from parallelkit.errors import PlanError
 
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
 METHODS = ("allgather", "ulysses")
-"""The attention methods `context_parallel.method` may name."""
+"""The attention methods a strategy's `cp_method` may name."""
 
 
 @dataclass(frozen=True)
@@ -202,11 +210,44 @@ def check_heads(heads: int, kv_heads: int, cp: int) -> None:
     """Refuse Ulysses for head counts cp does not divide, naming them and the fix."""
     if heads % cp or kv_heads % cp:
         raise PlanError(
-            f"context_parallel method 'ulysses' needs the attention's heads divisible by cp: this rank holds {heads} "
-            f"query and {kv_heads} key/value heads, cp={cp}. Fix: context_parallel.method=allgather (any head count), "
+            f"cp_method='ulysses' needs the attention's heads divisible by cp: each tp rank holds {heads} query and "
+            f"{kv_heads} key/value heads, cp={cp}. Fix: cp_method=allgather (any head count), "
             f"or a cp size that divides {heads} and {kv_heads}."
         )
 
 
 ATTENTION = {"allgather": allgather_attention, "ulysses": ulysses_attention}
 """Each method's attention function: (q, k, v, positions, group, split) -> output."""
+
+
+def apply_context_parallel(root: nn.Module, cp_mesh: DeviceMesh, attention: Sequence[str], method: str) -> None:
+    """Make the attention modules of `root` named in `attention` (the resolved plan's) attend across the cp ranks'
+    slices: each one's `attend` becomes `method`'s, over `cp_mesh`'s group, for this rank's `SequenceSplit`."""
+    split = SequenceSplit(cp_mesh.size(), cp_mesh.get_local_rank())
+    attend = partial(ATTENTION[method], group=cp_mesh.get_group(), split=split)
+    held = dict(root.named_modules())
+    for fqn in attention:
+        if fqn in held:
+            held[fqn].attend = attend
+
+
+SLICED = ("input_ids", "labels", "position_ids")
+"""The keys of a token batch that hold a value per token: each cp rank keeps its slice of them."""
+
+
+def split_batch(batch: Any, split: SequenceSplit, replicas: int) -> dict[str, Any]:
+    """This rank's slice of every sequence of `batch`, as a token batch (`parallelkit.contract.TOKEN_BATCH`).
+
+    A token batch keeps its `num_targets` (the step's count, whatever each rank holds). An `(inputs, targets)` batch
+    becomes one: its positions are the sequence's token indices, and every position is a target, so the step's
+    count is this batch's times `replicas` (the step's batches: data-parallel ranks x accumulated micro-batches).
+    The loss is then the step's token mean on every layout, as one process's mean over the whole batch."""
+    if isinstance(batch, Mapping):
+        return {key: split.take(value) if key in SLICED else value for key, value in batch.items()}
+    inputs, targets = split_pair(batch)
+    positions = torch.arange(inputs.shape[1], device=inputs.device).expand_as(inputs)
+    sliced = {"input_ids": split.take(inputs), "position_ids": split.take(positions)}
+    if targets is not None:
+        sliced["labels"] = split.take(targets)
+        sliced["num_targets"] = torch.tensor(targets.numel() * replicas, device=inputs.device)
+    return sliced

@@ -16,8 +16,10 @@ from typing import Any
 from torch import nn
 
 from parallelkit.contract import (
+    ATTENTION_CONTRACT,
     EXPERTS_CONTRACT,
     GATHERING_STYLES,
+    HEAD_COUNT_ATTRS,
     STYLES,
     ParallelPlan,
     declared_plan,
@@ -44,6 +46,9 @@ class ResolvedPlan:
         pipeline_layers: The pipeline layers in execution order; empty when the model cannot be pipelined.
         pipeline_error: Why it cannot (the error a pipeline layout raises), or "".
         stages: For a pipeline layout, the layer names of every stage, in order.
+        cp_size: The context-parallel degree (1: every rank holds whole sequences).
+        cp_method: How attention crosses the cp ranks' slices (`parallelkit.parallel.context_parallel.METHODS`).
+        attention: Names of the attention modules (`ParallelPlan.attention`), checked when cp > 1.
     """
 
     plan: ParallelPlan
@@ -58,6 +63,9 @@ class ResolvedPlan:
     pipeline_layers: Sequence[str] = ()
     pipeline_error: str = ""
     stages: Sequence[Sequence[str]] | None = None
+    cp_size: int = 1
+    cp_method: str = "allgather"
+    attention: Sequence[str] = ()
 
     @property
     def description(self) -> str:
@@ -74,6 +82,8 @@ def resolve(
     num_stages: int | None = None,
     split_points: Sequence[int | str] | None = None,
     plan: ParallelPlan | None = None,
+    cp: int = 1,
+    cp_method: str = "allgather",
 ) -> ResolvedPlan:
     """Resolve `model`'s plan (`plan`, default what it declares) for a tp degree, an expert-parallel degree and, for
     pipelines, a number of stages; raises `PlanError` for what that layout cannot do, naming the fix.
@@ -119,7 +129,39 @@ def resolve(
         pipeline_layers=layers,
         pipeline_error=pipeline_error,
         stages=stages,
+        cp_size=cp,
+        cp_method=cp_method,
+        attention=attention_names(model, plan, cp, cp_method, tp),
     )
+
+
+def attention_names(model: nn.Module, plan: ParallelPlan, cp: int, method: str, tp: int) -> list[str]:
+    """The plan's attention globs as module names; for cp > 1, each checked against `ATTENTION_CONTRACT`, and its
+    heads per tp rank against cp for Ulysses, which divides them over the cp ranks."""
+    from parallelkit.parallel.context_parallel import METHODS, check_heads
+
+    if cp > 1 and method not in METHODS:
+        raise PlanError(f"cp_method={method!r} is not a context-parallel method. Fix: one of {', '.join(METHODS)}.")
+    if cp > 1 and not plan.attention:
+        raise PlanError(
+            f"mesh_shape has cp={cp}, but {plan.description} declares no attention modules (ParallelPlan.attention, or "
+            "the class attribute attention_plan): context parallelism gives each rank a slice of every sequence, and "
+            "only an attention module that attends across the slices keeps it exact. Fix: name the attention "
+            f"modules, each computing its attention in attend(q, k, v, positions) ({ATTENTION_CONTRACT.split(':')[0]}"
+            "), or a mesh without cp."
+        )
+    named = select(model, plan.attention, "attention_plan") if plan.attention else []
+    for fqn, module in named if cp > 1 else ():
+        if not callable(getattr(module, "attend", None)):
+            raise PlanError(
+                f"{plan.description}.{fqn} ({type(module).__name__}) is declared an attention module but has no "
+                f"attend(q, k, v, positions) method: {ATTENTION_CONTRACT}"
+            )
+        heads = next((getattr(module, a) for a in HEAD_COUNT_ATTRS if isinstance(getattr(module, a, None), int)), None)
+        if method == "ulysses" and heads is not None:
+            kv_heads = getattr(module, "num_key_value_heads", heads)
+            check_heads(heads // tp, kv_heads // tp, cp)
+    return [fqn for fqn, _ in named]
 
 
 def select(model: nn.Module, patterns: Iterable[str], field: str) -> list[tuple[str, nn.Module]]:

@@ -44,12 +44,13 @@ from parallelkit.compat import (
     set_device_mesh,
     setup_distributed,
 )
-from parallelkit.errors import ConfigError
+from parallelkit.errors import ConfigError, PlanError
 from parallelkit.init import draw_whole_in_hooks, has_meta_tensors, materialize, meta_parameters
 from parallelkit.lora import quantize_base, wants_nf4
 from parallelkit.mesh import AXES, MeshSpec
 from parallelkit.parallel import DataParallelWrap, ResolvedPlan, data_parallel_wrap, resolve
 from parallelkit.parallel.compile import compile_backends, cpp_compiler
+from parallelkit.parallel.context_parallel import SequenceSplit
 from parallelkit.strategies.precision import ShardedPrecision
 from parallelkit.strategies.steps import ParallelSteps
 
@@ -103,6 +104,8 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
             once the state is copied in memory; the checkpoint is published (renamed from `.partial`, seen by `last`)
             when every rank's write is complete. One write in flight at most (the next save waits for it); SIGTERM's
             save waits for it before its own. Costs a copy of the rank's state in memory while writing.
+        cp_method: How attention crosses the `cp` axis's slices of each sequence: "allgather" (keys and values
+            gathered, any head count) or "ulysses" (all-to-all over heads; heads divisible by cp).
         meta_init: Build the model's parameters on the meta device (the CLI and `Trainer.init_module()` do) and
             allocate only this rank's shards after sharding, so no process ever holds the whole model. Weights
             equal an eager build's from the same seed (`parallelkit.init`); the model must initialise through
@@ -129,6 +132,7 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
         save_distributed_checkpoint: bool = True,
         meta_init: bool = False,
         async_checkpoint: bool = False,
+        cp_method: str = "allgather",
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -152,6 +156,7 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
         self.cpu_offload = cpu_offload
         self.meta_init = meta_init
         self.async_checkpoint = async_checkpoint
+        self.cp_method = cp_method
         self.collective_timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
 
     # -- configuration, checked in the launching process before any worker starts --------------------------
@@ -220,11 +225,20 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
                 f"loss_parallel=True needs a tp axis larger than 1, but mesh_shape is {self.mesh_spec}. "
                 "Set loss_parallel=False or add tp to the mesh."
             )
+        cp, unsupported = self.mesh_spec.cp_size, {"ep": self.mesh_spec.size("ep") > 1, "compile": self.compile}
+        if cp > 1 and any(unsupported.values()):
+            raise ConfigError(
+                f"mesh_shape {self.mesh_spec} splits sequences over cp={cp}, which does not yet combine with "
+                f"{' or '.join(name for name, on in unsupported.items() if on)} (context parallelism runs with fsdp, "
+                "hsdp and tp). Fix: a mesh without cp, or leave the other out."
+            )
 
     def check_run(self, model: Any, datamodule: Any = None, accumulate_grad_batches: int = 1) -> None:
         """Refuse, before any worker starts, what this run cannot do with this model and data (default: what
         `check_model` refuses). The CLI calls it in the launching process; `setup` meets the same errors otherwise."""
         self.check_model(model)
+        if self.mesh_spec.cp_size > 1 and getattr(datamodule, "seq_len", None) is not None:
+            SequenceSplit(self.mesh_spec.cp_size, 0).check(datamodule.seq_len)
 
     def check_model(self, model: Any) -> None:
         """Refuse a model this layout cannot split (e.g. tp not dividing its key/value heads) with a `PlanError`, by
@@ -240,11 +254,18 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
         """`model`'s plan resolved for this layout (the tp degree, sequence and loss parallelism); None for a model
         that overrides `configure_model()` (`parallelize_model` leaves it as it made itself)."""
         if is_overridden("configure_model", model):
+            if self.mesh_spec.cp_size > 1:
+                raise PlanError(
+                    f"mesh_shape has cp={self.mesh_spec.cp_size}, but {type(model).__name__} parallelises itself in "
+                    "configure_model(), where no slice of the sequence is attended across. Fix: a mesh without cp."
+                )
             return None
         return resolve(
             model,
             tp=self.mesh_spec.size("tp"),
             ep=self.mesh_spec.size("ep"),
+            cp=self.mesh_spec.cp_size,
+            cp_method=self.cp_method,
             sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel,
         )

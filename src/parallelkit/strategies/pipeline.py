@@ -137,6 +137,12 @@ class PipelineStrategy(ParallelkitStrategy):
                 "stage. Keep the sharded default and take one file with: parallelkit consolidate CKPT_DIR OUT.pt"
             )
         self.pipeline.check_layout(self.mesh_spec)
+        if self.mesh_spec.cp_size > 1:
+            raise ConfigError(
+                f"mesh_shape {self.mesh_spec} splits sequences over cp={self.mesh_spec.cp_size}, which pipelines "
+                "do not run yet (their stages hand on whole sequences). Fix: FSDPTPStrategy (fsdp_tp) with the cp "
+                "axis, or a pipeline mesh without cp."
+            )
 
     def stage_indices(self, pp_rank: int) -> list[int]:
         """The stages pipeline rank `pp_rank` holds (`Schedule.stage_indices`)."""

@@ -4,7 +4,8 @@
 `ModelParallelStrategy`, whose step hooks it overrides: every step runs as the forward of the FSDP root, inside loss
 parallelism when asked for; gradients are held back on accumulation micro-steps; and what leaving FSDP out asks of
 the strategy (the model's `DataParallelWrap`, read in `setup`: gradients settled after each backward, plain tensors
-replicated in the optimizer's update) is done here. The strategy keeps the Lightning lifecycle, this the steps.
+replicated in the optimizer's update) is done here; under context parallelism each batch reaches the step as this
+rank's slice of its sequences. The strategy keeps the Lightning lifecycle, this the steps.
 """
 
 from __future__ import annotations
@@ -19,11 +20,23 @@ from typing_extensions import override
 from parallelkit.compat import run_as_forward
 from parallelkit.grad_norm import settle_gradients
 from parallelkit.optim import compile_step, mixes_plain_and_dtensors, replicate_plain_tensors
+from parallelkit.parallel.context_parallel import SequenceSplit, split_batch
 
 
 class ParallelSteps:
     """The step hooks of a parallelkit strategy (see the module's docstring); they read the strategy's `model`,
     `lightning_module`, `precision_plugin`, `loss_parallel`, `data_parallel` and `optimizer_backend()`."""
+
+    @override
+    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+        """The batch on this rank's device; with a cp axis, this rank's slice of its sequences as a token batch
+        (`parallelkit.parallel.context_parallel.split_batch`), every stage's steps then taking it alike."""
+        batch = super().batch_to_device(batch, device, dataloader_idx)
+        spec = self.mesh_spec
+        if spec is None or spec.cp_size == 1:
+            return batch
+        split = SequenceSplit(spec.cp_size, spec.coordinates(self.global_rank)["cp"])
+        return split_batch(batch, split, spec.dp_size * self.lightning_module.trainer.accumulate_grad_batches)
 
     @contextmanager
     @override
