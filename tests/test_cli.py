@@ -26,7 +26,7 @@ def test_env_lays_out_a_mesh_rank_by_coordinate(tmp_path: Path):
         ('[[2, 3], ["fsdp", "tp"]]', ["fsdp=2 x tp=3 = 6", "world size is 4", '[[2, 2], ["fsdp", "tp"]]']),
         ('[[2, 2], ["fsdp", "fsdp"]]', ["repeats the axis 'fsdp'"]),
         ('[[0, 4], ["fsdp", "tp"]]', ["size 0", "-1"]),
-        ('[[2, 2], ["fsdp", "mp"]]', ["unknown axis 'mp'", "pp, replicate, fsdp, ep, tp"]),
+        ('[[2, 2], ["fsdp", "mp"]]', ["unknown axis 'mp'", "pp, replicate, fsdp, ep, cp, tp"]),
     ],
 )
 def test_bad_mesh_is_one_paragraph_error_without_traceback(tmp_path: Path, mesh: str, fragments: list[str]):

@@ -7,7 +7,8 @@ import json
 import pytest
 import torch
 from models import TinyMixer
-from support import assert_ok, assert_same_losses, callback, common, fit, torchrun
+from snippets import parallelkit_args
+from support import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, torchrun
 
 from parallelkit.errors import PlanError
 from parallelkit.models import GPT
@@ -48,24 +49,22 @@ def test_both_methods_give_one_processs_attention_and_gradients_across_the_split
     )
 
 
-LAYOUTS = {
-    "allgather_fsdp2_cp2": ('[[2, 2], ["fsdp", "cp"]]', 4, "allgather"),
-    "ulysses_fsdp2_cp2": ('[[2, 2], ["fsdp", "cp"]]', 4, "ulysses"),
-    "allgather_cp2_tp2": ('[[2, 2], ["cp", "tp"]]', 8, "allgather"),  # sequence parallelism inside each cp slice
-}
-"""Name -> mesh, rows per process (a global batch of 8: cp and tp ranks share their replica's rows), cp method."""
+LAYOUTS = ("allgather_fsdp2_cp2", "ulysses_fsdp2_cp2", "allgather_cp2_tp2")
+"""The long-sequences guide's three commands, in order: [[2, 2], ["fsdp", "cp"]] by each method, and cp x tp (sequence
+parallelism inside each cp slice); a global batch of 8 each (cp and tp ranks share their replica's rows)."""
 
 
 def cp_run(reference, name: str):
-    mesh, rows, method = LAYOUTS[name]
-    layout = (f"--trainer.strategy.mesh_shape={mesh}", f"--data.init_args.batch_size={rows}")
+    command, flag, config, *layout = parallelkit_args("cp-gpt", LAYOUTS.index(name))
+    assert (command, flag, config) == ("fit", "--config", "configs/hybrid.yaml")
     extra = (callback("models.FirstGradients", path="first_gradients.pt"),) if name == "allgather_fsdp2_cp2" else ()
-    return reference("hybrid.yaml", *layout, f"--trainer.strategy.cp_method={method}", *extra)
+    return reference("hybrid.yaml", *layout, *extra)
 
 
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_gpt_with_sequences_split_over_cp_matches_one_process_per_step(baseline, reference, name):
-    """20 steps of hybrid.yaml's GPT, each sequence split over 2 cp ranks, against the session's one process."""
+    """20 steps of hybrid.yaml's GPT, each sequence split over 2 cp ranks (the guide's commands), against the
+    session's one process."""
     assert_same_losses(baseline("plain").losses(), cp_run(reference, name).losses())
 
 
@@ -90,3 +89,10 @@ def test_what_cp_cannot_split_is_refused_naming_it():
     with pytest.raises(PlanError, match=r"cp_method='ring' is not a context-parallel method"):
         resolve(GPT(n_layer=1), cp=2, cp_method="ring")
     assert resolve(GPT(n_layer=2), cp=2).attention == ["blocks.0.attn", "blocks.1.attn"]
+
+
+def test_the_long_context_config_is_read_as_a_cp_layout(tmp_path):
+    """configs/long_context.yaml (the guide's measurements: 4096 tokens, cp 4, Ulysses) parses as the CLI reads it."""
+    proc = parallelkit("fit", "--config", str(REPO / "configs" / "long_context.yaml"), "--print_config", cwd=tmp_path)
+    assert_ok(proc)
+    assert "mesh_shape:" in proc.stdout and "cp_method: ulysses" in proc.stdout and "seq_len: 4096" in proc.stdout

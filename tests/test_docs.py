@@ -107,7 +107,7 @@ def test_the_model_contract_block_is_the_reference_gpts_declaration():
 
     scope = {"L": L}
     exec(snippet("model-contract").text, scope)
-    for name in ("tp_plan", "fsdp_units", "pipeline_layers"):
+    for name in ("tp_plan", "fsdp_units", "pipeline_layers", "attention_plan"):
         assert getattr(scope["GPT"], name) == getattr(GPT, name), name
 
 

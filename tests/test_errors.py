@@ -344,7 +344,7 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
     ),
     "unknown axis name": (
         fit_config("hybrid.yaml", "--trainer.strategy.mesh_shape=[[2, 2], [fsdp, mp]]"),
-        ["unknown axis 'mp'", "Axis names are pp, replicate, fsdp, ep, tp"],
+        ["unknown axis 'mp'", "Axis names are pp, replicate, fsdp, ep, cp, tp"],
     ),
     "repeated axis name": (
         fit_config("hybrid.yaml", "--trainer.strategy.mesh_shape=[[2, 2], [fsdp, fsdp]]"),

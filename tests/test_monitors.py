@@ -201,6 +201,7 @@ def test_wandb_offline_run_records_the_loss_and_the_parallel_layout(tmp_path, co
         "replicate_size": 1,
         "fsdp_size": 1,
         "ep_size": 1,
+        "cp_size": 1,
         "tp_size": 2,
     }
     assert config["n_layer"] == 2  # the model's own hyperparameters next to it

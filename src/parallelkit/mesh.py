@@ -110,7 +110,8 @@ class MeshSpec:
             if name not in AXES:
                 raise MeshError(
                     f"mesh_shape {shown} names an unknown axis {name!r}. Axis names are {', '.join(AXES)} "
-                    "(pipeline, HSDP replicate, fully sharded data parallel, expert parallel, tensor parallel)."
+                    "(pipeline, HSDP replicate, fully sharded data parallel, expert parallel, context parallel, tensor "
+                    "parallel)."
                 )
         repeated = sorted({name for name in names if names.count(name) > 1})
         if repeated:
