@@ -290,3 +290,24 @@ def test_a_lora_model_has_gradients_and_optimizer_state_for_its_adapters_only():
         assert adapted.params == base.params + 4 * trained
         assert adapted.grads == 4 * trained and adapted.optimizer == 8 * trained
         assert base.grads == base.params and params > 20 * (adapter_a + adapter_b)
+
+
+def test_a_cp_axis_divides_activations_and_shards_and_adds_its_attention_traffic():
+    """[[2, 2], ["fsdp", "cp"]] against [[2, 1]] (fsdp alone): parameters, gradients and optimizer state sharded four
+    ways, as [[4, 1]] shards them; each rank's activations and compute halved (its half of every sequence); the cp
+    axis's traffic the keys and values the all-gather method gathers (or Ulysses' all-to-alls), forward and
+    backward. The profile's keys and values are the GPT's: 2 x seq x n_embd floats a block."""
+    seq, work, hw = 64, Workload(seq_len=64, micro_batch=4), Hardware(1, 4, 80e9)
+    prof = profile(reference_gpt_on_meta(), seq_len=seq)
+    blocks = [layer for layer in prof.layers if layer.attention_kv]
+    assert [layer.name for layer in blocks] == ["blocks.0", "blocks.1"]
+    assert all(layer.attention_kv == 2 * seq * 64 * 4 and layer.attention_q == seq * 64 * 4 for layer in blocks)
+    fsdp2, fsdp4 = (estimate(prof, MeshSpec((n, 1), ("fsdp", "tp")), work, hw) for n in (2, 4))
+    cp = estimate(prof, MeshSpec((2, 2), ("fsdp", "cp")), work, hw)
+    assert (cp.params, cp.grads, cp.optimizer) == (fsdp4.params, fsdp4.grads, fsdp4.optimizer)
+    assert cp.activations == pytest.approx(fsdp2.activations / 2)
+    kv = sum(layer.attention_kv for layer in blocks)
+    assert cp.comm["cp"] == 2 * kv * (1 / 2) * work.micro_batch  # each rank receives the other half, and sends back
+    q = sum(layer.attention_q for layer in blocks)
+    ulysses = estimate(prof, MeshSpec((2, 2), ("fsdp", "cp")), replace(work, cp_method="ulysses"), hw)
+    assert ulysses.comm["cp"] == 2 * (2 * q + kv) / 2 * (1 / 2) * work.micro_batch

@@ -111,7 +111,8 @@ def dry_run(trainer: Any, model: Any, datamodule: Any, ranks: str = "0", as_json
     states = [build_rank(strategy, model, rank) for rank in ranks_of(ranks, spec.world_size)]
     seconds = time.perf_counter() - start
 
-    work = workload(datamodule, strategy.precision_plugin.precision, strategy.activation_checkpointing)
+    precision, checkpointing = strategy.precision_plugin.precision, strategy.activation_checkpointing
+    work = workload(datamodule, precision, checkpointing, cp_method=getattr(strategy, "cp_method", "allgather"))
     planned = None
     if work is not None:
         nodes, devices = trainer.num_nodes, trainer.num_devices

@@ -1,11 +1,11 @@
 """The planner's arithmetic for one layout: per-rank memory, communication per axis and the step time, from a model's
 profile (see the package docstring for each term).
 
-Each mesh axis has one function here (`_pp`, `_tp`, `_ep`, `_fsdp`, `_replicate`) that says what it does to a rank's
-share of a step: what it divides (parameters, activations, compute) and what it adds (its traffic, gathered buffers,
-microbatches in flight). `estimate` applies them in `AXIS_TERMS`' order, the order their terms build on each other
-(FSDP shards what tensor and expert parallelism leave a rank; replicas all-reduce what FSDP reduced), then adds up
-the share. A new axis is one function and its place in that order.
+Each mesh axis has one function here (`_pp`, `_tp`, `_ep`, `_cp`, `_fsdp`, `_replicate`) that says what it does to a
+rank's share of a step: what it divides (parameters, activations, compute) and what it adds (its traffic, gathered
+buffers, microbatches in flight). `estimate` applies them in `AXIS_TERMS`' order, the order their terms build on
+each other (FSDP shards what tensor, expert and context parallelism leave a rank; replicas all-reduce what FSDP
+reduced), then adds up the share. A new axis is one function and its place in that order.
 """
 
 from __future__ import annotations
@@ -142,10 +142,31 @@ def _ep(share: _Share) -> None:
         share.comm["ep"] = share.comm.get("ep", 0.0) + 4 * copies
 
 
+def _cp(share: _Share) -> None:
+    """cp splits every sequence over its ranks: it divides each layer's activations (and the loss's) and each sample's
+    compute, and, data-parallel for the parameters, shards them with fsdp; it adds its attention traffic, forward and
+    backward: the all-gather of keys and values (their gradients sent back), or Ulysses' all-to-alls of queries,
+    keys, values and outputs, a rank keeping 1/cp of what it sends."""
+    cp, work = share.spec.size("cp"), share.work
+    if cp == 1:
+        return
+    share.held = [held / cp for held in share.held]
+    share.kept = [kept / cp for kept in share.kept]
+    share.loss /= cp
+    share.compute_split *= cp
+    share.shards *= cp
+    away = (cp - 1) / cp
+    if work.cp_method == "ulysses":
+        per_sample = sum(2 * layer.attention_q + layer.attention_kv for layer in share.layers) / cp
+    else:
+        per_sample = sum(layer.attention_kv for layer in share.layers)
+    share.comm["cp"] = 2 * per_sample * away * share.cb * work.micro_batch * work.accumulate
+
+
 def _fsdp(share: _Share) -> None:
-    """fsdp shards the parameters, gradients and optimizer states, over fsdp x ep (experts over fsdp alone); it adds
-    the all-gathers (forward, and backward for units resharded after forward), the gradient reduce-scatter, and the
-    gathered buffers: the root plus two units (the one running and the prefetch)."""
+    """fsdp shards the parameters, gradients and optimizer states, over fsdp x ep x cp (experts over fsdp alone); it
+    adds the all-gathers (forward, and backward for units resharded after forward), the gradient reduce-scatter, and
+    the gathered buffers: the root plus two units (the one running and the prefetch)."""
     fsdp, work = share.spec.size("fsdp"), share.work
     share.shards *= fsdp
     share.replicas *= fsdp
@@ -155,7 +176,7 @@ def _fsdp(share: _Share) -> None:
     units = [each for each, layer in zip(gathered, share.layers) if layer.unit]
     share.gathered = sum(gathered) - sum(units) + 2 * max(units, default=0.0)
     regathered = sum(units[:-1]) if share.regathers else 0.0
-    axis = "fsdp" if fsdp > 1 else "ep"
+    axis = next(axis for axis in ("fsdp", "ep", "cp") if share.spec.size(axis) > 1)
     traffic = (sum(gathered) + regathered) * work.accumulate + share.reduced * 4
     share.comm[axis] = share.comm.get(axis, 0.0) + traffic
 
@@ -168,10 +189,10 @@ def _replicate(share: _Share) -> None:
         share.comm["replicate"] = share.trained / share.shards * 4
 
 
-AXIS_TERMS: tuple[Callable[[_Share], None], ...] = (_pp, _tp, _ep, _fsdp, _replicate)
+AXIS_TERMS: tuple[Callable[[_Share], None], ...] = (_pp, _tp, _ep, _cp, _fsdp, _replicate)
 """Every axis's function, in the order `estimate` applies them: each reads what those before it left."""
 
-LISTED = ("fsdp", "ep", "replicate", "tp", "pp")
+LISTED = ("fsdp", "ep", "replicate", "tp", "pp", "cp")
 """The order an estimate lists (and adds up) the axes' traffic in; an axis not named here comes after them."""
 
 

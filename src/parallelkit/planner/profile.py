@@ -104,6 +104,21 @@ def profile(
         routed[id(module)] = float(tokens.shape[0] * index.shape[-1] * tokens.shape[-1] * 4)
 
     handles += [module.register_forward_pre_hook(copies) for module in experts]
+    attended: dict[int, tuple[float, float]] = {}  # attention module -> (queries, keys and values) bytes
+
+    def recording(module: nn.Module) -> Any:
+        attend = module.attend
+
+        def record_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            attended[id(module)] = (nbytes(q), nbytes(k) + nbytes(v))
+            return attend(q, k, v, *args, **kwargs)
+
+        return record_attend
+
+    attention = [model.get_submodule(name) for name in resolved.attention]
+    own = [module.__dict__.get("attend") for module in attention]  # an attend set on the instance, if any
+    for module in attention:
+        module.attend = recording(module)
     for module, style in tp_modules:
         # Sequence parallelism all-gathers a column-wise layer's input (which autograd then keeps whole), once for
         # all of them in a gather_input module, and reduce-scatters a row-wise layer's output.
@@ -123,6 +138,11 @@ def profile(
     finally:
         for handle in handles:
             handle.remove()
+        for module, attend in zip(attention, own):
+            if attend is None:
+                del module.attend  # the class's method again
+            else:
+                module.attend = attend
     loss_activations = ledger.live - before_loss
 
     layers = []
@@ -148,6 +168,8 @@ def profile(
                 routed=sum(v for k, v in routed.items() if k in members),
                 quantized=sum(m.weight.numel() for m in module.modules() if wants_nf4(m)),
                 quantized_bytes=sum(nf4_bytes(m.weight.numel()) for m in module.modules() if wants_nf4(m)),
+                attention_q=sum(q for key, (q, _) in attended.items() if key in members),
+                attention_kv=sum(kv for key, (_, kv) in attended.items() if key in members),
             )
         )
     valid: dict[int, str] = {}

@@ -38,6 +38,8 @@ class Workload:
     activation_checkpointing: str | int = "none"
     """The strategy's option: "none", "full" (every unit) or n (every n-th unit of each stage)."""
     accumulate: int = 1
+    cp_method: str = "allgather"
+    """How attention crosses a cp axis (the strategy's `cp_method`), which decides its traffic."""
 
     @property
     def checkpoint_every(self) -> int:
@@ -55,6 +57,7 @@ def workload(
     seq_len: int | None = None,
     micro_batch: int | None = None,
     optimizer: str = "adamw",
+    cp_method: str = "allgather",
 ) -> Workload | None:
     """The workload of a run, as `fit` would run it: the datamodule's `seq_len` and `batch_size` (unless given), the
     trainer's precision (bf16: 2-byte activations) and accumulation, the strategy's activation checkpointing. None
@@ -70,6 +73,7 @@ def workload(
         compute_bytes=2 if str(precision).startswith("bf16") else 4,
         activation_checkpointing=activation_checkpointing if activation_checkpointing not in (0, None) else "none",
         accumulate=accumulate,
+        cp_method=cp_method,
     )
 
 
@@ -96,6 +100,11 @@ class Layer:
     quantized: int = 0
     """Parameters stored as NF4 (QLoRA's base weights), held, gathered and sent as `quantized_bytes` in all."""
     quantized_bytes: float = 0.0
+    attention_q: float = 0.0
+    """Bytes per sample of the queries its attention modules attend with (their outputs are as large), fp32."""
+    attention_kv: float = 0.0
+    """Bytes per sample of the keys and values they attend to, fp32: what the all-gather method of context
+    parallelism gathers."""
 
 
 @dataclass
