@@ -96,3 +96,12 @@ def test_the_long_context_config_is_read_as_a_cp_layout(tmp_path):
     proc = parallelkit("fit", "--config", str(REPO / "configs" / "long_context.yaml"), "--print_config", cwd=tmp_path)
     assert_ok(proc)
     assert "mesh_shape:" in proc.stdout and "cp_method: ulysses" in proc.stdout and "seq_len: 4096" in proc.stdout
+
+
+def test_predict_on_a_cp_mesh_is_refused_with_the_fix(tmp_path):
+    """Each rank would predict its slice of every sequence: refused on every rank, said once."""
+    mesh = '--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]'
+    proc = parallelkit("predict", "--config", str(REPO / "configs" / "hybrid.yaml"), mesh, cwd=tmp_path)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 2 and "Traceback" not in output and output.count("parallelkit: error:") == 1, output
+    assert "each cp rank holds a slice of every sequence" in output and "Fix: predict on a mesh without cp" in output

@@ -401,6 +401,11 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
 
     @override
     def setup(self, trainer: Any) -> None:
+        if self.mesh_spec.cp_size > 1 and trainer.predicting:
+            raise ConfigError(
+                f"predict on mesh_shape {self.mesh_spec}: each cp rank holds a slice of every sequence, and its "
+                "predictions would be that slice's. Fix: predict on a mesh without cp (the checkpoint loads in any)."
+            )
         for callback in self.default_callbacks():
             if not any(isinstance(c, type(callback)) for c in trainer.callbacks):
                 trainer.callbacks.append(callback)
