@@ -81,6 +81,18 @@ def test_the_cp_runs_first_gradients_are_one_processs(tmp_path, corpus, referenc
         torch.testing.assert_close(actual[name], grad, rtol=1e-5, atol=1e-7, msg=name)
 
 
+def test_lora_on_hsdp_x_cp_with_every_block_recomputed_matches_one_processs_lora(reference):
+    """Adapters on q and v of the GPT, on [[2, 1, 2], ["replicate", "fsdp", "cp"]] (HSDP: the cp ranks shard, the
+    replicas all-reduce) with activation checkpointing (the attention's collectives run again in backward): 20 steps
+    equal one process's LoRA run."""
+    lora = '--model.init_args.lora={"rank": 4, "targets": ["attn.q", "attn.v"]}'
+    layout = ('--trainer.strategy.mesh_shape=[[2, 1, 2], ["replicate", "fsdp", "cp"]]', "--data.init_args.batch_size=4")
+    recomputed = "--trainer.strategy.activation_checkpointing=full"
+    losses = reference("hybrid.yaml", lora, *layout, recomputed).losses()
+    assert_same_losses(reference("single.yaml", lora).losses(), losses)
+    assert losses[19] < losses[0]
+
+
 def test_what_cp_cannot_split_is_refused_naming_it():
     with pytest.raises(PlanError, match=r"cp=2, but TinyMixer declares no attention modules.*Fix: name"):
         resolve(TinyMixer(), cp=2)
