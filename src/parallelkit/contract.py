@@ -101,6 +101,13 @@ restart at 0 where a packed example begins (a token attends only to earlier toke
 micro-batch), by which the step's loss is divided: a token mean over the global batch, whatever the layout."""
 
 
+def packed_examples(positions: torch.Tensor) -> torch.Tensor:
+    """Each token's example within its packed row, (batch, seq): a new one wherever a position does not follow the
+    one before it (as transformers reads packed `position_ids`). A token attends only to earlier tokens of its own."""
+    starts = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1) != 1
+    return starts.cumsum(-1)
+
+
 def token_share(loss: torch.Tensor, targets: torch.Tensor, step_targets: torch.Tensor) -> torch.Tensor:
     """A batch's share of its optimizer step's token-mean loss: its `loss` (the mean over its own targets) times its
     target count, over the step's (`num_targets`). Summed over every data-parallel rank and accumulated micro-batch of

@@ -18,7 +18,7 @@ from torch import nn
 from typing_extensions import override
 
 from parallelkit.compat import grouped_mm, grouped_mm_runs
-from parallelkit.contract import ParallelPlan
+from parallelkit.contract import ParallelPlan, packed_examples
 from parallelkit.errors import ConfigError
 from parallelkit.lora import QUANTIZED_TP_REFUSAL, LoRA, add_adapters, as_lora, config_dict
 from parallelkit.models.lm import CausalLM
@@ -87,10 +87,8 @@ class Attention(nn.Module):
 
 def document_mask(positions: torch.Tensor) -> torch.Tensor:
     """The attention mask of packed examples, (batch, 1, seq, seq), True where a query may attend: earlier or equal
-    positions of its own example. An example begins wherever a position does not follow the one before it (as
-    transformers reads packed `position_ids`)."""
-    starts = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1) != 1
-    example = starts.cumsum(-1)
+    positions of its own example (`parallelkit.contract.packed_examples`)."""
+    example = packed_examples(positions)
     seq = positions.shape[-1]
     causal = torch.ones(seq, seq, dtype=torch.bool, device=positions.device).tril()
     return ((example.unsqueeze(-1) == example.unsqueeze(-2)) & causal).unsqueeze(1)

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelkit.contract import split_pair
+from parallelkit.contract import packed_examples, split_pair
 from parallelkit.errors import PlanError
 
 if TYPE_CHECKING:
@@ -117,20 +117,13 @@ def _gather(tensor: torch.Tensor, group: object, split: SequenceSplit, dim: int)
 
 def _whole_positions(
     positions: torch.Tensor | None, group: object, split: SequenceSplit, local: int, like: torch.Tensor
-):
+) -> torch.Tensor:
     """The whole sequence's positions, (batch, seq): gathered from every rank's, or the token indices when the
     batch has none (an unpacked row)."""
     if positions is None:
         return torch.arange(local * split.cp, device=like.device).expand(like.shape[0], -1)
     with torch.no_grad():
         return _gather(positions, group, split, dim=1)
-
-
-def _documents(positions: torch.Tensor) -> torch.Tensor:
-    """Each token's example within its packed row, (batch, seq): a new one wherever a position does not follow the
-    one before it (as transformers reads packed `position_ids`)."""
-    starts = torch.diff(positions, dim=-1, prepend=positions[:, :1] - 1) != 1
-    return starts.cumsum(-1)
 
 
 def allgather_attention(
@@ -149,7 +142,7 @@ def allgather_attention(
     local = q.shape[2]
     keys, values = _gather(k, group, split, dim=2), _gather(v, group, split, dim=2)
     whole = _whole_positions(positions, group, split, local, q)
-    documents = _documents(whole)
+    documents = packed_examples(whole)
     query_index = split.indices(whole.shape[1]).to(q.device)
     causal = query_index.unsqueeze(-1) >= torch.arange(whole.shape[1], device=q.device)
     same = documents.index_select(1, query_index).unsqueeze(-1) == documents.unsqueeze(-2)
@@ -196,7 +189,7 @@ def ulysses_attention(
     check_heads(q.shape[1], k.shape[1], split.cp)
     whole = _whole_positions(positions, group, split, local, q)
     queries, keys, values = (_sequence_for_heads(t, group, split) for t in (q, k, v))
-    documents = _documents(whole)
+    documents = packed_examples(whole)
     gqa = keys.shape[1] != queries.shape[1]
     if bool((documents == documents[:, :1]).all()):  # one example per row: the kernel's own causal mask, no seq^2
         out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa)
