@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from functools import partial
+from functools import cache, partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,9 +62,12 @@ class SequenceSplit:
             )
 
     def indices(self, seq_len: int, rank: int | None = None) -> torch.Tensor:
-        """Global indices of `rank`'s tokens (default: this split's), in the order it holds them."""
+        """Global indices of `rank`'s tokens (default: this split's), in the order it holds them; made once per
+        length, not at every layer of every step."""
+        return _indices(self.cp, self.rank if rank is None else rank, seq_len)
+
+    def _make_indices(self, seq_len: int, rank: int) -> torch.Tensor:
         self.check(seq_len)
-        rank = self.rank if rank is None else rank
         chunk = seq_len // (2 * self.cp)
         first, second = rank * chunk, (2 * self.cp - 1 - rank) * chunk
         return torch.cat((torch.arange(first, first + chunk), torch.arange(second, second + chunk)))
@@ -107,6 +110,11 @@ class _Gather(torch.autograd.Function):
         received = torch.empty_like(parts)  # [r]: rank r's gradient of this rank's part
         dist.all_to_all_single(received, parts, group=ctx.group)
         return received.sum(0), None, None
+
+
+@cache
+def _indices(cp: int, rank: int, seq_len: int) -> torch.Tensor:
+    return SequenceSplit(cp, rank)._make_indices(seq_len, rank)
 
 
 def _gather(tensor: torch.Tensor, group: object, split: SequenceSplit, dim: int) -> torch.Tensor:
