@@ -29,6 +29,15 @@ TINY_LLAMA = {
 }
 """A Hugging Face Llama config's sizes (4 heads, 2 key/value heads, untied), as configs/hf_llama.yaml's model."""
 
+GEMMA3 = {
+    "model_type": "gemma3_text",
+    **TINY_LLAMA,
+    "head_dim": 16,
+    "sliding_window": 8,
+    "layer_types": ["sliding_attention", "full_attention"],
+}
+"""Gemma 3: sliding windows (8 < seq_len) on every other layer, masks per layer type built by the base model."""
+
 EOS = "<|endoftext|>"
 
 

@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
-from models import TinyMixer
+from hf_families import tiny_config
+from models import TINY_LLAMA, TinyMixer
 from snippets import parallelkit_args
 from support import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, torchrun
 
 from parallelkit.errors import PlanError
-from parallelkit.models import GPT
+from parallelkit.models import GPT, HFCausalLM
 from parallelkit.parallel import resolve
 from parallelkit.parallel.context_parallel import SequenceSplit, check_heads
 
@@ -37,16 +38,18 @@ def test_a_sequence_or_head_count_the_split_cannot_take_is_refused_with_the_numb
 
 def test_both_methods_give_one_processs_attention_and_gradients_across_the_split(tmp_path):
     """4 ranks: cp = 2 (two groups) and cp = 4; unpacked rows and packed rows whose documents cross the chunks'
-    edges; grouped-query attention (all-gather; Ulysses where cp divides the key/value heads). Outputs and q, k, v
-    gradients equal one process's to 1e-9 (float64)."""
+    edges; grouped-query attention (all-gather; Ulysses where cp divides the key/value heads); a scale, a sliding
+    window and a score softcap (what transformers' attention modules pass). Outputs and q, k, v gradients equal one
+    process's to 1e-9 (float64)."""
     proc = torchrun("context_parallel_attention.py", 4, cwd=tmp_path)
     assert_ok(proc)
     checked = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert (
-        len(checked) == 14
-        and "ulysses cp=4 kv_heads=4 packed" in checked
-        and "allgather cp=4 kv_heads=2 packed" in checked
-    )
+    assert len(checked) == 28 and {
+        "ulysses cp=4 kv_heads=4 packed",
+        "allgather cp=4 kv_heads=2 packed",
+        "allgather cp=4 kv_heads=2 packed capped",
+        "ulysses cp=2 kv_heads=2 packed windowed",
+    } <= set(checked)
 
 
 LAYOUTS = ("allgather_fsdp2_cp2", "ulysses_fsdp2_cp2", "allgather_cp2_tp2")
@@ -101,6 +104,22 @@ def test_what_cp_cannot_split_is_refused_naming_it():
     with pytest.raises(PlanError, match=r"cp_method='ring' is not a context-parallel method"):
         resolve(GPT(n_layer=1), cp=2, cp_method="ring")
     assert resolve(GPT(n_layer=2), cp=2).attention == ["blocks.0.attn", "blocks.1.attn"]
+
+
+def test_a_hugging_face_family_cp_cannot_split_is_refused_naming_the_family_and_why():
+    """The family sweep decides (attention sinks: gpt-oss); heads for Ulysses come from the config; a config's
+    attention dropout, which the split attention does not apply."""
+    with pytest.raises(PlanError, match=r"HFCausalLM \(gpt_oss\): .*'gpt_oss' does not compute its own logits.*Fix"):
+        resolve(HFCausalLM(tiny_config("gpt_oss")), cp=2)
+    llama = {"model_type": "llama", **TINY_LLAMA}
+    with pytest.raises(PlanError, match=r"each tp rank holds 4 query and 2 key/value heads, cp=4"):
+        resolve(HFCausalLM(llama), cp=4, cp_method="ulysses")
+    with pytest.raises(PlanError, match=r"attention_dropout=0.1, which parallelkit's attention across cp ranks"):
+        resolve(HFCausalLM({**llama, "attention_dropout": 0.1}), cp=2)
+    assert resolve(HFCausalLM(llama), cp=4).attention == [
+        "model.model.layers.0.self_attn",
+        "model.model.layers.1.self_attn",
+    ]
 
 
 def test_the_long_context_config_is_read_as_a_cp_layout(tmp_path):

@@ -8,7 +8,7 @@ import torch
 import transformers  # noqa: F401  the [hf] extra, which .ci/run installs: missing, these tests fail (never skip)
 import yaml
 from hf_families import tiny_config
-from models import TINY_LLAMA
+from models import GEMMA3, TINY_LLAMA
 from support import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses
 
 from parallelkit.contract import declared_plan
@@ -70,6 +70,16 @@ LAYOUTS = {
     "qwen3_tied_fsdp4_checkpointing": (
         qwen3(),
         mesh('[[4, 1], ["fsdp", "tp"]]', 4, 2, "--trainer.strategy.activation_checkpointing=full"),
+    ),
+    # Context parallelism through transformers' attention interface: each sequence split over the cp ranks.
+    "llama_fsdp2_cp2": ((), mesh('[[2, 2], ["fsdp", "cp"]]', 4, 4)),
+    "qwen3_tied_fsdp2_cp2_ulysses": (
+        qwen3(),
+        mesh('[[2, 2], ["fsdp", "cp"]]', 4, 4, "--trainer.strategy.cp_method=ulysses"),
+    ),
+    "gemma3_sliding_windows_fsdp1_cp4": (
+        (f"--model.init_args.config={json.dumps(GEMMA3)}",),
+        mesh('[[1, 4], ["fsdp", "cp"]]', 4, 8),  # windows of 8 tokens across slices of 2 x 8
     ),
 }
 

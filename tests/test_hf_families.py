@@ -1,16 +1,17 @@
 """Hugging Face families against the reference: every causal-LM family transformers registers gives transformers'
-own logits and loss on one process or is refused by name (the sweep, `tests/hf_families.py`), and families that do
-more than Llama train on 2 x 2 and in a 1F1B pipeline with one process's per-step losses."""
+own logits and loss on one process or is refused by name (the sweep, `tests/hf_families.py`, which also decides tp,
+pp and cp per family), and families that do more than Llama train on 2 x 2 and in a 1F1B pipeline with one
+process's per-step losses."""
 
 import json
 
 import hf_families
 import pytest
 import transformers
-from models import TINY_LLAMA
+from models import GEMMA3, TINY_LLAMA
 from support import REPO, assert_ok, assert_same_losses, common, fit, made_once, step_losses
 
-from parallelkit.models.hf_families import GENERATED_WITH, PIPELINE_FAMILIES, TP_FAMILIES
+from parallelkit.models.hf_families import CP_FAMILIES, GENERATED_WITH, PIPELINE_FAMILIES, TP_FAMILIES
 
 
 def test_every_family_gives_transformers_own_logits_or_is_refused_and_the_families_page_says_which(tmp_path):
@@ -26,22 +27,22 @@ def test_every_family_gives_transformers_own_logits_or_is_refused_and_the_famili
     split = tuple(row.family for row in rows if row.tp == "yes")
     failing = [family for family in TP_FAMILIES if family in registered and family not in split]
     assert not failing, f"families HFCausalLM splits tp whose two processes no longer give one's: {failing}"
+    sliced = tuple(row.family for row in rows if row.cp == "yes")
+    assert {"llama", "qwen3", "gemma3_text", "gemma2", "mistral"} <= set(sliced)  # windows, softcaps (Gemma 2)
+    refused = {row.family: row.cp for row in rows}  # by name, each with its reason
+    assert "attention sinks" in refused["gpt_oss"] and "attention function be set" in refused["bloom"]
+    failing = [family for family in CP_FAMILIES if family in registered and family not in sliced]
+    assert not failing, f"families HFCausalLM splits over cp whose split rows no longer give its logits: {failing}"
     if transformers.__version__ == GENERATED_WITH:  # what docs/families.md states is for the version it names
         regenerate = "the sweep found something else: python tests/hf_families.py --write, and review the diff"
         assert pipelined == PIPELINE_FAMILIES, regenerate
         assert split == TP_FAMILIES, regenerate
+        assert sliced == CP_FAMILIES, regenerate
         assert hf_families.render_table(rows) in (REPO / "docs" / "families.md").read_text(), regenerate
 
 
 FAMILIES = {
-    # Sliding windows (8 < seq_len) on every other layer: masks per layer type, built by the base model.
-    "gemma3_text": {
-        "model_type": "gemma3_text",
-        **TINY_LLAMA,
-        "head_dim": 16,
-        "sliding_window": 8,
-        "layer_types": ["sliding_attention", "full_attention"],
-    },
+    "gemma3_text": GEMMA3,  # sliding windows on every other layer
     # Fused qkv_proj and gate_up_proj (column-wise, gathered), o_proj and down_proj rowwise_split_input.
     "phi3": {"model_type": "phi3", **TINY_LLAMA, "pad_token_id": 0, "eos_token_id": 0, "bos_token_id": 0},
     # q/k norms over the whole projection (gathered), o_proj rowwise_split_input.

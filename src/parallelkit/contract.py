@@ -76,7 +76,15 @@ q (batch, heads, seq, head_dim), k and v (batch, kv_heads, seq, head_dim) after 
 (batch, seq) the tokens' positions (restarting at 0 where a packed example begins) or None for one causal row; out
 (batch, heads, seq, head_dim) is causal attention within each example. parallelkit's GPT follows it."""
 """What a module named in `ParallelPlan.attention` must be: context parallelism, which gives each rank a slice of
-every sequence, replaces its `attend` by one that attends across the slices (`parallel/context_parallel.py`)."""
+every sequence, replaces its `attend` by one that attends across the slices (`parallel/context_parallel.py`). The
+replacement also takes `scale`, `window` (a sliding window) and `softcap` as keywords, as transformers' attention
+functions pass them."""
+
+ATTENTION_HOOK = "route_attention"
+"""A model with a method of this name, `route_attention()`, does not compute attention in its modules' own `attend`
+methods but routes it to the `attend` that context parallelism gives each module named in `ParallelPlan.attention`,
+once called (`HFCausalLM` switches transformers' attention function to one that calls it): its attention modules
+need no `attend` of their own."""
 
 
 def matches(pattern: str, fqn: str) -> bool:
@@ -141,7 +149,9 @@ class ParallelPlan:
             `ep` axis (each rank holds `num_experts / ep` whole experts). Such a module follows `EXPERTS_CONTRACT`.
         experts_refusal: Why this model's experts cannot be divided (the error an `ep` layout raises; empty: they can).
         attention: Globs of the attention modules, which context parallelism makes attend across the `cp` axis's
-            slices of the sequence. Such a module follows `ATTENTION_CONTRACT`.
+            slices of the sequence. Such a module follows `ATTENTION_CONTRACT` (or the model `ATTENTION_HOOK`).
+        attention_refusal: Why this model's sequences cannot be split over cp ranks (the error a cp > 1 layout raises;
+            empty: they can).
         tp_divisors: Counts that the tp degree must divide, by what they count (e.g. {"key/value heads": 2}):
             whole heads per rank. Sizes of split weights are checked from the modules themselves.
         loss: `loss(output, target)`: the mean loss of a batch from the model's output (the last pipeline stage
@@ -166,6 +176,7 @@ class ParallelPlan:
     experts: Sequence[str] = ()
     experts_refusal: str = ""
     attention: Sequence[str] = ()
+    attention_refusal: str = ""
     tp_divisors: Mapping[str, int] = field(default_factory=dict)
     loss: Callable[[Any, Any], Any] | None = None
     split_batch: Callable[[Any], tuple[Any, Any]] = split_pair

@@ -28,6 +28,7 @@ from parallelkit.lora import (
     quantize_base,
     reset_adapters,
 )
+from parallelkit.models.hf_attention import use_split_attention
 from parallelkit.models.hf_config import _transformers, build_config
 from parallelkit.models.hf_convert import ConvertedWeights
 from parallelkit.models.hf_io import SafetensorsWeights, load_weights
@@ -195,6 +196,11 @@ class HFCausalLM(HFPlanMixin, HFStagesMixin, CausalLM):
         output = self.model(**inputs, use_cache=False, output_router_logits=True)
         self._aux_loss = output.aux_loss
         return output.logits
+
+    def route_attention(self) -> None:
+        """Context parallelism (`parallelkit.contract.ATTENTION_HOOK`): every attention module of the model calls the
+        `attend` context parallelism gave it, through transformers' attention interface (`hf_attention`)."""
+        use_split_attention(self.model)
 
     @property
     def _router_loss(self) -> bool:

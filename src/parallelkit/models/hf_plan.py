@@ -15,7 +15,7 @@ from parallelkit.compat import hf_ep_plan, hf_pp_plan, hf_tp_plan
 from parallelkit.contract import ParallelPlan, matches
 from parallelkit.errors import PlanError
 from parallelkit.lora import QUANTIZED_TP_REFUSAL
-from parallelkit.models.hf_families import PIPELINE_FAMILIES, TP_FAMILIES
+from parallelkit.models.hf_families import CP_FAMILIES, PIPELINE_FAMILIES, TP_FAMILIES
 
 HF_STYLES = {
     "colwise": "colwise",
@@ -156,6 +156,8 @@ class HFPlanMixin:
             tp_refusal=refusal,
             experts=experts,
             experts_refusal=experts_refusal,
+            attention=self._attention_modules(),
+            attention_refusal=self._attention_refusal(),
             tp_divisors=self._head_counts(),
             loss=self.pipeline_loss,
             stage_forward=self._run_stage,
@@ -196,6 +198,34 @@ class HFPlanMixin:
             except AttributeError:
                 return name
         return None
+
+    def _attention_modules(self) -> list[str]:
+        """Globs of the decoder layers' attention modules (a child whose class is an `...Attention`): context
+        parallelism routes their attention function to attend across the cp ranks' slices (`hf_attention`)."""
+        layers = self.model.get_submodule(self._names()["layers"].removeprefix("model."))
+        children = {
+            child
+            for layer in layers
+            for child, module in layer.named_children()
+            if type(module).__name__.endswith("Attention")
+        }
+        return [f"{self._names()['layers']}.*.{child}" for child in sorted(children)]
+
+    def _attention_refusal(self) -> str:
+        model_type = self.config.model_type
+        if dropout := getattr(self.config, "attention_dropout", 0.0):
+            return (
+                f"its config sets attention_dropout={dropout}, which parallelkit's attention across cp ranks does not "
+                "apply. Fix: attention_dropout: 0.0 in the config, or a mesh without cp."
+            )
+        if model_type not in CP_FAMILIES:
+            return (
+                f"with its sequences split over cp ranks (one process holding every rank's slice), {model_type!r} "
+                "does not compute its own logits (or its tiny config could not be checked) in parallelkit's family "
+                "sweep, tests/test_hf_families.py: its attention cannot be split. Fix: a mesh without cp (e.g. "
+                'mesh_shape [[-1], ["fsdp"]]).'
+            )
+        return ""
 
     def _head_counts(self) -> dict[str, int]:
         """The head counts tp must divide (a rank holds whole heads); none for a family without attention heads."""

@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from parallelkit.contract import packed_examples, split_pair
+from parallelkit.contract import ATTENTION_HOOK, packed_examples, split_pair
 from parallelkit.errors import PlanError
 
 if TYPE_CHECKING:
@@ -117,21 +117,60 @@ def _indices(cp: int, rank: int, seq_len: int) -> torch.Tensor:
     return SequenceSplit(cp, rank)._make_indices(seq_len, rank)
 
 
-def _gather(tensor: torch.Tensor, group: object, split: SequenceSplit, dim: int) -> torch.Tensor:
-    """Every rank's `tensor` (this rank's tokens along `dim`) as the whole sequence in order; differentiable."""
-    whole = _Gather.apply(tensor, group, dim)
+def _gather(tensor: torch.Tensor, group: object | None, split: SequenceSplit, dim: int) -> torch.Tensor:
+    """Every rank's `tensor` (this rank's tokens along `dim`) as the whole sequence in order; differentiable. With
+    `group` None this process holds every rank's tokens already, laid end to end in rank order."""
+    whole = tensor if group is None else _Gather.apply(tensor, group, dim)
     return whole.index_select(dim, split.order(whole.shape[dim]).to(whole.device))
 
 
 def _whole_positions(
-    positions: torch.Tensor | None, group: object, split: SequenceSplit, local: int, like: torch.Tensor
+    positions: torch.Tensor | None, group: object | None, split: SequenceSplit, local: int, like: torch.Tensor
 ) -> torch.Tensor:
     """The whole sequence's positions, (batch, seq): gathered from every rank's, or the token indices when the
     batch has none (an unpacked row)."""
     if positions is None:
-        return torch.arange(local * split.cp, device=like.device).expand(like.shape[0], -1)
+        seq = local if group is None else local * split.cp
+        return torch.arange(seq, device=like.device).expand(like.shape[0], -1)
     with torch.no_grad():
         return _gather(positions, group, split, dim=1)
+
+
+def _mask(query_index: torch.Tensor, documents: torch.Tensor, window: int | None) -> torch.Tensor:
+    """(batch, 1, queries, seq), True where the query at global index `query_index[i]` sees a key: an earlier (or
+    the same) token of its own example (`documents`: each token's, (batch, seq)), and with `window`, one fewer than
+    `window` tokens back (transformers' sliding window)."""
+    back = query_index.unsqueeze(-1) - torch.arange(documents.shape[1], device=documents.device)
+    visible = (back >= 0) & (back < window) if window is not None else back >= 0
+    same = documents.index_select(1, query_index).unsqueeze(-1) == documents.unsqueeze(-2)
+    return (visible & same).unsqueeze(1)
+
+
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention under `mask` (None: causal); `scale` None is 1 / sqrt(head_dim). With `softcap`, the scores are
+    capped to softcap x tanh(scores / softcap) before the softmax (Gemma 2's), as transformers' eager attention does:
+    SDPA has no such argument, so the scores are made here."""
+    if softcap is None:
+        gqa = k.shape[1] != q.shape[1]
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=gqa
+        )
+    groups = q.shape[1] // k.shape[1]
+    keys, values = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+    scores = softcap * torch.tanh(scores / softcap)
+    if mask is None:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    at_least_fp32 = torch.promote_types(scores.dtype, torch.float32)  # the softmax of bf16 scores in fp32
+    weights = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1, dtype=at_least_fp32)
+    return torch.matmul(weights.to(q.dtype), values)
 
 
 def allgather_attention(
@@ -139,23 +178,29 @@ def allgather_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     positions: torch.Tensor | None,
-    group: object,
+    group: object | None,
     split: SequenceSplit,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention of this rank's queries against the whole sequence's keys and values.
 
     `q`: (batch, heads, local, dim), `k`/`v`: (batch, kv_heads, local, dim), this rank's tokens in `split`'s order;
     `positions`: their global positions (batch, local), or None for an unpacked causal row. Returns (batch, heads,
-    local, dim), what one process's causal (document-masked) attention gives at these queries."""
+    local, dim), what one process's causal (document-masked) attention gives at these queries. `scale` (None: 1 /
+    sqrt(dim)), a sliding `window` and a score `softcap` as transformers' attention functions take them.
+
+    `group` None: one process holds every rank's tokens, laid end to end in rank order (`SequenceSplit.gathered`),
+    and attends them all as the ranks would: how the family sweep checks a model's attention without processes."""
     local = q.shape[2]
     keys, values = _gather(k, group, split, dim=2), _gather(v, group, split, dim=2)
     whole = _whole_positions(positions, group, split, local, q)
-    documents = packed_examples(whole)
-    query_index = split.indices(whole.shape[1]).to(q.device)
-    causal = query_index.unsqueeze(-1) >= torch.arange(whole.shape[1], device=q.device)
-    same = documents.index_select(1, query_index).unsqueeze(-1) == documents.unsqueeze(-2)
-    mask = (causal & same).unsqueeze(1)  # (batch, 1, local, seq)
-    return F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=k.shape[1] != q.shape[1])
+    seq = whole.shape[1]
+    query_index = (split.gathered(seq) if group is None else split.indices(seq)).to(q.device)
+    mask = _mask(query_index, packed_examples(whole), window)
+    return _attend(q, keys, values, mask, scale, softcap)
 
 
 def _sequence_for_heads(tensor: torch.Tensor, group: object, split: SequenceSplit) -> torch.Tensor:
@@ -190,23 +235,22 @@ def ulysses_attention(
     positions: torch.Tensor | None,
     group: object,
     split: SequenceSplit,
+    *,
+    scale: float | None = None,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Attention by heads: all-to-all to the whole sequence of heads / cp heads, attention as on one process,
-    all-to-all back. Shapes as `allgather_attention`'s; every head count divisible by cp (`check_heads`)."""
+    all-to-all back. Arguments as `allgather_attention`'s; every head count divisible by cp (`check_heads`)."""
     local = q.shape[2]
     check_heads(q.shape[1], k.shape[1], split.cp)
     whole = _whole_positions(positions, group, split, local, q)
     queries, keys, values = (_sequence_for_heads(t, group, split) for t in (q, k, v))
     documents = packed_examples(whole)
-    gqa = keys.shape[1] != queries.shape[1]
-    if bool((documents == documents[:, :1]).all()):  # one example per row: the kernel's own causal mask, no seq^2
-        out = F.scaled_dot_product_attention(queries, keys, values, is_causal=True, enable_gqa=gqa)
-    else:
-        seq = whole.shape[1]
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-        mask = ((documents.unsqueeze(-1) == documents.unsqueeze(-2)) & causal).unsqueeze(1)
-        out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, enable_gqa=gqa)
-    return _heads_for_sequence(out, group, split)
+    mask = None  # one example per row and no window: the kernel's own causal mask, no seq x seq tensor
+    if window is not None or not bool((documents == documents[:, :1]).all()):
+        mask = _mask(torch.arange(whole.shape[1], device=q.device), documents, window)
+    return _heads_for_sequence(_attend(queries, keys, values, mask, scale, softcap), group, split)
 
 
 def check_heads(heads: int, kv_heads: int, cp: int) -> None:
@@ -220,18 +264,27 @@ def check_heads(heads: int, kv_heads: int, cp: int) -> None:
 
 
 ATTENTION = {"allgather": allgather_attention, "ulysses": ulysses_attention}
-"""Each method's attention function: (q, k, v, positions, group, split) -> output."""
+"""Each method's attention function: (q, k, v, positions, group, split, *, scale, window, softcap) -> output."""
 
 
 def apply_context_parallel(root: nn.Module, cp_mesh: DeviceMesh, attention: Sequence[str], method: str) -> None:
     """Make the attention modules of `root` named in `attention` (the resolved plan's) attend across the cp ranks'
     slices: each one's `attend` becomes `method`'s, over `cp_mesh`'s group, for this rank's `SequenceSplit`."""
     split = SequenceSplit(cp_mesh.size(), cp_mesh.get_local_rank())
-    attend = partial(ATTENTION[method], group=cp_mesh.get_group(), split=split)
+    route_attention(root, attention, partial(ATTENTION[method], group=cp_mesh.get_group(), split=split))
+
+
+def route_attention(root: nn.Module, attention: Sequence[str], attend: Any) -> None:
+    """Give each module of `root` named in `attention` the attention function `attend`, and tell a model that routes
+    its attention (`parallelkit.contract.ATTENTION_HOOK`: `HFCausalLM`) to call it."""
     held = dict(root.named_modules())
     for fqn in attention:
         if fqn in held:
             held[fqn].attend = attend
+    for module in held.values():
+        route = getattr(module, ATTENTION_HOOK, None)
+        if callable(route):
+            route()
 
 
 SLICED = ("input_ids", "labels", "position_ids")

@@ -17,6 +17,7 @@ from torch import nn
 
 from parallelkit.contract import (
     ATTENTION_CONTRACT,
+    ATTENTION_HOOK,
     EXPERTS_CONTRACT,
     GATHERING_STYLES,
     HEAD_COUNT_ATTRS,
@@ -142,6 +143,8 @@ def attention_names(model: nn.Module, plan: ParallelPlan, cp: int, method: str, 
 
     if cp > 1 and method not in METHODS:
         raise PlanError(f"cp_method={method!r} is not a context-parallel method. Fix: one of {', '.join(METHODS)}.")
+    if cp > 1 and plan.attention_refusal:
+        raise PlanError(f"{plan.description}: {plan.attention_refusal}")
     if cp > 1 and not plan.attention:
         raise PlanError(
             f"mesh_shape has cp={cp}, but {plan.description} declares no attention modules (ParallelPlan.attention, or "
@@ -151,16 +154,19 @@ def attention_names(model: nn.Module, plan: ParallelPlan, cp: int, method: str, 
             "), or a mesh without cp."
         )
     named = select(model, plan.attention, "attention_plan") if plan.attention else []
+    routed = callable(getattr(model, ATTENTION_HOOK, None))  # the model calls the attend cp gives each module
     for fqn, module in named if cp > 1 else ():
-        if not callable(getattr(module, "attend", None)):
+        if not routed and not callable(getattr(module, "attend", None)):
             raise PlanError(
                 f"{plan.description}.{fqn} ({type(module).__name__}) is declared an attention module but has no "
                 f"attend(q, k, v, positions) method: {ATTENTION_CONTRACT}"
             )
+        config = getattr(module, "config", None)  # transformers' attention modules count heads in their config
         heads = next((getattr(module, a) for a in HEAD_COUNT_ATTRS if isinstance(getattr(module, a, None), int)), None)
-        if method == "ulysses" and heads is not None:
-            kv_heads = getattr(module, "num_key_value_heads", heads)
-            check_heads(heads // tp, kv_heads // tp, cp)
+        heads = heads or getattr(config, "num_attention_heads", None)
+        if method == "ulysses" and isinstance(heads, int):
+            kv_heads = getattr(module, "num_key_value_heads", None) or getattr(config, "num_key_value_heads", None)
+            check_heads(heads // tp, (kv_heads or heads) // tp, cp)
     return [fqn for fqn, _ in named]
 
 
