@@ -265,9 +265,13 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         ),
         ["data.seq_len=60 is not divisible by 2 x cp = 8", "Fix: data.seq_len=56"],
     ),
-    "cp under a pipeline": (
-        fit_config("1f1b.yaml", '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "cp"]]', "--trainer.devices=4"),
-        ["splits sequences over cp=2, which pipelines do not run yet", "Fix: FSDPTPStrategy (fsdp_tp) with the cp"],
+    "a Hugging Face family whose attention cp cannot split": (  # Bloom's attention is its own code
+        fit_config(
+            "hf_llama.yaml",
+            '--model.init_args.config={"model_type": "bloom", "vocab_size": 256, "hidden_size": 64, "n_layer": 2}',
+            '--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]',
+        ),
+        ["HFCausalLM (bloom): with its sequences split over cp ranks", "its attention cannot be split. Fix: a mesh"],
     ),
     "cp with compile": (
         fit_config(

@@ -42,6 +42,19 @@ STEPS = 20
             ],
             "plain",
         ),
+        # Each sequence split over 2 cp ranks in every stage (the stages hand on their slice and its positions),
+        # validating on its pipelined slices too.
+        (
+            "1f1b_pp2_cp2_validating",
+            "1f1b.yaml",
+            [
+                "--trainer.devices=4",
+                '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "cp"]]',
+                "--trainer.val_check_interval=10",
+                "--trainer.limit_val_batches=3",
+            ],
+            "val",
+        ),
         # Zero-bubble schedules split each backward into input- and weight-gradient steps. ZB-V and DualPipeV place
         # stages in a V (rank 0 holds stages 0 and 3); ZB-V also validates (torch's eval() fails at the turn of a V
         # unless the strategy's stages step in), DualPipeV on 3D runs under tp with loss parallelism.

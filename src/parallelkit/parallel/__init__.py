@@ -70,11 +70,16 @@ def parallelize(
     The decision and what it asks of the caller is recorded on `model` as its `DataParallelWrap`
     (`data_parallel_wrap(model)` reads it).
     """
+    sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
     if resolved is None:
         if stages is not None:
             raise PlanError("parallelize(stages=...) needs the plan resolved with its stages: resolve(num_stages=...).")
-        sizes = dict(zip(mesh.mesh_dim_names or (), mesh.shape))
         resolved = resolve(model, tp=sizes.get("tp", 1), ep=sizes.get("ep", 1), cp=sizes.get("cp", 1))
+    if (resolved.tp_size, resolved.ep_size, resolved.cp_size) != tuple(sizes.get(a, 1) for a in ("tp", "ep", "cp")):
+        raise PlanError(  # a plan resolved for other axis sizes would leave the mesh's axes half applied
+            f"the plan was resolved for tp={resolved.tp_size}, ep={resolved.ep_size}, cp={resolved.cp_size}, the mesh "
+            f"has {sizes}. Fix: resolve(model, tp=..., ep=..., cp=...) with the mesh's sizes."
+        )
     name = type(model).__name__
     roots = [model] if stages is None else split_model(model, resolved, stages)
     dp_mesh = dense_mesh(mesh)  # HSDP (2-D) with a replicate axis: replicate across, shard within

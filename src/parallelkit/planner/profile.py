@@ -115,10 +115,22 @@ def profile(
 
         return record_attend
 
+    def projected(module: nn.Module, args: Any, kwargs: dict) -> None:
+        # A module whose model routes its attention (transformers' through their attention interface): q, k and v
+        # are its input projected to heads x head_dim, as the config counts them.
+        hidden, config = kwargs.get("hidden_states", args[0] if args else None), module.config
+        heads = config.num_attention_heads
+        per_head = nbytes(hidden) / hidden.shape[-1] * getattr(module, "head_dim", config.hidden_size // heads)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        attended[id(module)] = (per_head * heads, 2 * per_head * kv_heads)
+
     attention = [model.get_submodule(name) for name in resolved.attention]
     own = [module.__dict__.get("attend") for module in attention]  # an attend set on the instance, if any
     for module in attention:
-        module.attend = recording(module)
+        if callable(getattr(module, "attend", None)):
+            module.attend = recording(module)
+        else:
+            handles.append(module.register_forward_pre_hook(projected, with_kwargs=True))
     for module, style in tp_modules:
         # Sequence parallelism all-gathers a column-wise layer's input (which autograd then keeps whole), once for
         # all of them in a gather_input module, and reduce-scatters a row-wise layer's output.
@@ -139,7 +151,7 @@ def profile(
         for handle in handles:
             handle.remove()
         for module, attend in zip(attention, own):
-            if attend is None:
+            if attend is None and "attend" in module.__dict__:
                 del module.attend  # the class's method again
             else:
                 module.attend = attend

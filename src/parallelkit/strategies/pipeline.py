@@ -35,7 +35,7 @@ from typing_extensions import override
 from parallelkit.compat import quiet_root_view_warning, skip_loop_backward
 from parallelkit.contract import token_share
 from parallelkit.errors import ConfigError, PlanError
-from parallelkit.mesh import data_parallel_group, data_parallel_size
+from parallelkit.mesh import reduction_size, token_group
 from parallelkit.parallel import ResolvedPlan, parallelize, resolve
 from parallelkit.parallel.schedule import Schedule
 from parallelkit.strategies.base import MeshShape, ParallelkitStrategy
@@ -137,12 +137,6 @@ class PipelineStrategy(ParallelkitStrategy):
                 "stage. Keep the sharded default and take one file with: parallelkit consolidate CKPT_DIR OUT.pt"
             )
         self.pipeline.check_layout(self.mesh_spec)
-        if self.mesh_spec.cp_size > 1:
-            raise ConfigError(
-                f"mesh_shape {self.mesh_spec} splits sequences over cp={self.mesh_spec.cp_size}, which pipelines "
-                "do not run yet (their stages hand on whole sequences). Fix: FSDPTPStrategy (fsdp_tp) with the cp "
-                "axis, or a pipeline mesh without cp."
-            )
 
     def stage_indices(self, pp_rank: int) -> list[int]:
         """The stages pipeline rank `pp_rank` holds (`Schedule.stage_indices`)."""
@@ -179,8 +173,10 @@ class PipelineStrategy(ParallelkitStrategy):
         self._has_first = any(stage.is_first for stage in pipeline_stages)
         self._has_last = any(stage.is_last for stage in pipeline_stages)
         self._pp_group = pp_mesh.get_group()
-        self._dp_group = data_parallel_group(self)
-        self._dp_size = data_parallel_size(self)
+        # The ranks whose tokens differ (data-parallel x cp: a cp rank's stages run its slice of each sequence), and
+        # how many the gradient reduction averages over.
+        self._dp_group = token_group(self)
+        self._dp_size = reduction_size(self)
         self._last_stage_rank = dist.get_global_rank(self._pp_group, schedule.last_stage_rank())
         # Gradient clipping adds up the stages' norms.
         self.precision_plugin.stage_group = pp_mesh.get_group()
@@ -215,6 +211,8 @@ class PipelineStrategy(ParallelkitStrategy):
             model,
             tp=self.mesh_spec.size("tp"),
             ep=self.mesh_spec.size("ep"),
+            cp=self.mesh_spec.cp_size,
+            cp_method=self.cp_method,
             sequence_parallel=self.sequence_parallel,
             loss_parallel=self.loss_parallel,
             num_stages=self.num_stages,

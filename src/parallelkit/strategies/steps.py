@@ -36,7 +36,9 @@ class ParallelSteps:
         if spec is None or spec.cp_size == 1:
             return batch
         split = SequenceSplit(spec.cp_size, spec.coordinates(self.global_rank)["cp"])
-        return split_batch(batch, split, spec.dp_size * self.lightning_module.trainer.accumulate_grad_batches)
+        trainer = self.lightning_module.trainer
+        accumulated = trainer.accumulate_grad_batches if trainer.training else 1  # a step's batches
+        return split_batch(batch, split, spec.dp_size * accumulated)
 
     @contextmanager
     @override
