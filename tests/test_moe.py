@@ -59,7 +59,7 @@ ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_ar
 
 
 def guide_layout(index: int) -> tuple[str, ...]:
-    """The overrides of the MoE guide's `index`-th command (docs/guides/moe.md): all four run here."""
+    """The overrides of the MoE guide's `index`-th command (docs/guides/moe.md): all five run here."""
     command, flag, config, *args = parallelkit_args("moe-layouts", index)
     assert (command, flag, config) == ("fit", "--config", "configs/moe.yaml")
     return tuple(args)
@@ -70,6 +70,7 @@ LAYOUTS = {
     "ep4": guide_layout(1),
     "ep_tp": guide_layout(2),  # sequence parallelism on (the default)
     "1f1b_pp_ep": guide_layout(3),  # the strategy class first: a new class starts from its defaults
+    "ep_cp": guide_layout(4),  # context parallelism: experts sharded over fsdp x cp
 }
 
 

@@ -44,6 +44,10 @@ SHARD_MESH = "dp_shard"
 """Name of the flattened axis that `build` adds over the shard axes (`SHARD_AXES`) when the mesh has more than one:
 dense parameters are sharded over it."""
 
+EXPERT_SHARD_MESH = "experts_shard"
+"""Name of the flattened axis that `build` adds over `fsdp` x `cp` when the mesh has ep and cp: the experts of a rank's
+ep coordinate are sharded over it (cp ranks hold the same experts and compute their gradients from other tokens)."""
+
 TOKEN_MESH = "dp_cp"
 """Name of the flattened axis that `build` adds over the data-parallel axes and `cp` when the mesh has cp: the ranks
 whose tokens differ, over which losses and metrics are summed or averaged."""
@@ -253,6 +257,9 @@ class MeshSpec:
         tokens = tuple(axis for axis in (*DATA_PARALLEL_AXES, "cp") if axis in self.names)
         if "cp" in self.names and len(tokens) > 1:
             flatten_mesh(mesh[tokens], TOKEN_MESH)
+        experts = tuple(axis for axis in ("fsdp", "cp") if axis in self.names)
+        if "ep" in self.names and len(experts) > 1:
+            flatten_mesh(mesh[experts], EXPERT_SHARD_MESH)
         if timeout is not None:
             groups = [mesh.get_group(name) for name in self.names]
             groups += [flat.get_group() for flat in flattened_meshes(mesh).values()]
@@ -301,11 +308,18 @@ def dense_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
 
 
 def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
-    """The mesh FSDP shards experts over: the data-parallel axes other than `ep` (2-D for HSDP); None when there are
-    none (each rank then holds its experts whole)."""
+    """The mesh FSDP shards experts over: the data-parallel axes other than `ep`, and cp (`EXPERT_SHARD_MESH` when
+    both fsdp and cp are there), 2-D for HSDP; None without an ep axis, or when there are none of those (each rank
+    then holds its experts whole)."""
     names = mesh.mesh_dim_names or ()
-    present = tuple(axis for axis in ("replicate", "fsdp") if axis in names)
-    return mesh[present] if len(present) == 2 else (mesh[present[0]] if present else None)
+    if "ep" not in names:
+        return None
+    shard = [axis for axis in ("fsdp", "cp") if axis in names]
+    axes = ["replicate"] if "replicate" in names else []
+    axes += [EXPERT_SHARD_MESH] if len(shard) > 1 else shard
+    if len(axes) == 2:
+        return mesh_with_flattened(mesh, tuple(axes))
+    return mesh[axes[0]] if axes else None
 
 
 def current_rank() -> int:

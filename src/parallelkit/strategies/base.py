@@ -225,12 +225,12 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
                 f"loss_parallel=True needs a tp axis larger than 1, but mesh_shape is {self.mesh_spec}. "
                 "Set loss_parallel=False or add tp to the mesh."
             )
-        cp, unsupported = self.mesh_spec.cp_size, {"ep": self.mesh_spec.size("ep") > 1, "compile": self.compile}
-        if cp > 1 and any(unsupported.values()):
+        cp = self.mesh_spec.cp_size
+        if cp > 1 and self.compile:
             raise ConfigError(
-                f"mesh_shape {self.mesh_spec} splits sequences over cp={cp}, which does not yet combine with "
-                f"{' or '.join(name for name, on in unsupported.items() if on)} (context parallelism runs with fsdp, "
-                "hsdp and tp). Fix: a mesh without cp, or leave the other out."
+                f"mesh_shape {self.mesh_spec} splits sequences over cp={cp}, which does not yet combine with compile "
+                "(context parallelism runs with fsdp, hsdp, tp, ep and pipelines). Fix: a mesh without cp, or "
+                "compile=false."
             )
 
     def check_run(self, model: Any, datamodule: Any = None, accumulate_grad_batches: int = 1) -> None:
