@@ -273,12 +273,6 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         ),
         ["HFCausalLM (bloom): with its sequences split over cp ranks", "its attention cannot be split. Fix: a mesh"],
     ),
-    "cp with compile": (
-        fit_config(
-            "hybrid.yaml", '--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]', "--trainer.strategy.compile=true"
-        ),
-        ["splits sequences over cp=2, which does not yet combine with compile", "Fix: a mesh without cp"],
-    ),
     "a dry run of a model preset, which names no strategy": (
         lambda tmp: parallelkit("check", "--dry-run", "--config", PRESET_70B, "--devices-per-node", "8", cwd=tmp),
         [

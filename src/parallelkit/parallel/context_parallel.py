@@ -271,7 +271,10 @@ def apply_context_parallel(root: nn.Module, cp_mesh: DeviceMesh, attention: Sequ
     """Make the attention modules of `root` named in `attention` (the resolved plan's) attend across the cp ranks'
     slices: each one's `attend` becomes `method`'s, over `cp_mesh`'s group, for this rank's `SequenceSplit`."""
     split = SequenceSplit(cp_mesh.size(), cp_mesh.get_local_rank())
-    route_attention(root, attention, partial(ATTENTION[method], group=cp_mesh.get_group(), split=split))
+    attend = partial(ATTENTION[method], group=cp_mesh.get_group(), split=split)
+    # Compiled blocks run it eagerly between their compiled parts: its collectives and their custom backward are
+    # not for dynamo to trace (a graph break at each attention, the projections and MLP around it compiled).
+    route_attention(root, attention, torch.compiler.disable(attend))
 
 
 def route_attention(root: nn.Module, attention: Sequence[str], attend: Any) -> None:

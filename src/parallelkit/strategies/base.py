@@ -225,13 +225,6 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
                 f"loss_parallel=True needs a tp axis larger than 1, but mesh_shape is {self.mesh_spec}. "
                 "Set loss_parallel=False or add tp to the mesh."
             )
-        cp = self.mesh_spec.cp_size
-        if cp > 1 and self.compile:
-            raise ConfigError(
-                f"mesh_shape {self.mesh_spec} splits sequences over cp={cp}, which does not yet combine with compile "
-                "(context parallelism runs with fsdp, hsdp, tp, ep and pipelines). Fix: a mesh without cp, or "
-                "compile=false."
-            )
 
     def check_run(self, model: Any, datamodule: Any = None, accumulate_grad_batches: int = 1) -> None:
         """Refuse, before any worker starts, what this run cannot do with this model and data (default: what
