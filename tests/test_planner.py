@@ -13,6 +13,7 @@ from support import REPO, assert_ok, common, fit, in_repo, parallelkit, step_los
 from parallelkit.callbacks.activations import SavedTensorWindow
 from parallelkit.cli.plan import PLAN_COLUMNS, PLAN_TABLE_OMITS
 from parallelkit.compat import composable_checkpoint
+from parallelkit.init import meta_parameters
 from parallelkit.mesh import MeshSpec
 from parallelkit.models import GPT
 from parallelkit.models.gpt import Block
@@ -311,3 +312,23 @@ def test_a_cp_axis_divides_activations_and_shards_and_adds_its_attention_traffic
     q = sum(layer.attention_q for layer in blocks)
     ulysses = estimate(prof, MeshSpec((2, 2), ("fsdp", "cp")), replace(work, cp_method="ulysses"), hw)
     assert ulysses.comm["cp"] == 2 * (2 * q + kv) / 2 * (1 / 2) * work.micro_batch
+
+
+def test_for_a_long_sequence_the_planner_tries_cp_layouts_and_picks_one_when_nothing_else_fits():
+    """A GPT (8 x 1024, 16 heads) on one node of 8 devices: at 65,536 tokens, on 80 GB fsdp alone fits and is
+    fastest (cp only adds traffic); on 8 GB only cp layouts fit, and the recommendation is one. Below
+    LONG_SEQUENCE no cp layout is tried; Ulysses' layouts need the heads per tp rank divisible by cp."""
+    with meta_parameters():
+        gpt = GPT(n_layer=8, n_head=16, n_embd=1024)
+    long, node = Workload(seq_len=65536, micro_batch=1), Hardware(1, 8, 80e9)
+    estimates, best, _ = recommend(gpt, long, node, pipeline=False)
+    assert best.mesh == '[[8, 1], ["fsdp", "tp"]]' and any('"cp"' in e.mesh for e in estimates)
+    estimates, best, _ = recommend(gpt, long, replace(node, device_memory=8e9), pipeline=False)
+    assert best.mesh == '[[1, 8, 1], ["fsdp", "cp", "tp"]]'
+    assert all('"cp"' in e.mesh for e in estimates if e.fits) and not all(e.fits for e in estimates)
+    short = recommend(gpt, replace(long, seq_len=4096), node, pipeline=False)[0]
+    assert not any('"cp"' in e.mesh for e in short)
+    with meta_parameters():
+        six_heads = GPT(n_layer=2, n_head=6, n_embd=384)
+    ulysses = recommend(six_heads, replace(long, cp_method="ulysses"), node, pipeline=False)[0]
+    assert {e.mesh for e in ulysses if '"cp"' in e.mesh} == {'[[4, 2, 1], ["fsdp", "cp", "tp"]]'}  # 6 heads / cp

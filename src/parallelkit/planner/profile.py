@@ -105,12 +105,14 @@ def profile(
 
     handles += [module.register_forward_pre_hook(copies) for module in experts]
     attended: dict[int, tuple[float, float]] = {}  # attention module -> (queries, keys and values) bytes
+    head_counts: dict[int, tuple[int, int]] = {}  # attention module -> (query, key/value) heads
 
     def recording(module: nn.Module) -> Any:
         attend = module.attend
 
         def record_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
             attended[id(module)] = (nbytes(q), nbytes(k) + nbytes(v))
+            head_counts[id(module)] = (q.shape[1], k.shape[1])
             return attend(q, k, v, *args, **kwargs)
 
         return record_attend
@@ -123,6 +125,7 @@ def profile(
         per_head = nbytes(hidden) / hidden.shape[-1] * getattr(module, "head_dim", config.hidden_size // heads)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         attended[id(module)] = (per_head * heads, 2 * per_head * kv_heads)
+        head_counts[id(module)] = (heads, kv_heads)
 
     attention = [model.get_submodule(name) for name in resolved.attention]
     own = [module.__dict__.get("attend") for module in attention]  # an attend set on the instance, if any
@@ -195,4 +198,6 @@ def profile(
     flops = plan.flops_per_token
     flops_per_token = flops(seq_len) if flops is not None else 6.0 * sum(layer.params for layer in layers)
     fewest = min((module.num_experts for module in experts), default=0)
-    return ModelProfile(plan.description, layers, loss_activations, flops_per_token, valid, fewest)
+    counts = head_counts.values()
+    fewest_heads = (min(q for q, _ in counts), min(kv for _, kv in counts)) if head_counts else None
+    return ModelProfile(plan.description, layers, loss_activations, flops_per_token, valid, fewest, fewest_heads)

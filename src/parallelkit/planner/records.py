@@ -117,6 +117,9 @@ class ModelProfile:
     """tp degree -> "" when the model's plan allows it, else the reason."""
     num_experts: int = 0
     """Experts per mixture-of-experts layer (the fewest of any), 0 for a dense model: ep must divide it."""
+    attention_heads: tuple[int, int] | None = None
+    """(query, key/value) heads of the attention modules context parallelism splits (the fewest of any), None for
+    a model with none (no cp): Ulysses needs them divisible by cp x tp."""
 
     @property
     def params(self) -> int:

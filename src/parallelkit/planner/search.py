@@ -28,7 +28,8 @@ def candidates(
     """Every mesh (and pipeline schedule) the model and the machines allow: tp inside a node and allowed by the
     model's plan, pp no deeper than its pipeline layers with whole microbatches, the rest fsdp, or HSDP (shard
     within a node, replicate across nodes); for a mixture-of-experts model, part of the sharded axis as ep (dividing
-    its experts, ep x tp inside a node)."""
+    its experts, ep x tp inside a node); for a long sequence, part of it as cp (`_splits_sequence`, cp x ep x tp
+    inside a node)."""
     found: list[tuple[MeshSpec, str | None]] = []
     world = hw.world_size
     for tp in _divisors(hw.devices_per_node):
@@ -51,9 +52,16 @@ def candidates(
                 for ep in _divisors(fsdp)
                 if ep == 1 or (prof.num_experts and prof.num_experts % ep == 0 and ep * tp <= hw.devices_per_node)
             ]
-            for rep, fsdp, ep in splits:
-                sizes = [s for s in (pp, rep, fsdp, ep, tp)]
-                names = ["pp", "replicate", "fsdp", "ep", "tp"]
+            # Context parallelism takes part of what remains (a long sequence's activations split), inside a node.
+            splits = [
+                (rep, fsdp // cp, ep, cp)
+                for rep, fsdp, ep in splits
+                for cp in _divisors(fsdp)
+                if cp == 1 or _splits_sequence(prof, work, cp, tp) and cp * ep * tp <= hw.devices_per_node
+            ]
+            for rep, fsdp, ep, cp in splits:
+                sizes = [s for s in (pp, rep, fsdp, ep, cp, tp)]
+                names = ["pp", "replicate", "fsdp", "ep", "cp", "tp"]
                 keep = [i for i, (s, n) in enumerate(zip(sizes, names)) if s > 1 or n in ("fsdp", "tp")]
                 spec = MeshSpec(tuple(sizes[i] for i in keep), tuple(names[i] for i in keep))
                 for schedule in ["1f1b", "interleaved_1f1b"] if pp > 1 else [None]:
@@ -63,6 +71,20 @@ def candidates(
                         continue  # PipelineStrategy's default microbatches would not split the micro-batch
                     found.append((spec, schedule))
     return found
+
+
+LONG_SEQUENCE = 8192
+"""Tokens from which the planner also tries cp layouts: below, a sequence's activations rarely decide what fits, and
+cp's attention traffic only slows the step."""
+
+
+def _splits_sequence(prof: ModelProfile, work: Workload, cp: int, tp: int) -> bool:
+    """Whether a cp axis of `cp` is a candidate: a long sequence (`LONG_SEQUENCE`) that 2 x cp divides, a model whose
+    attention modules cp splits, and for Ulysses, heads per tp rank that cp divides."""
+    if work.seq_len < LONG_SEQUENCE or work.seq_len % (2 * cp) or prof.attention_heads is None:
+        return False
+    heads, kv_heads = prof.attention_heads
+    return work.cp_method != "ulysses" or (heads // tp) % cp == 0 and (kv_heads // tp) % cp == 0
 
 
 def estimate_layout(
