@@ -27,13 +27,18 @@ def check(tmp_path, config, *args, fault=None, timeout=300):
 
 @pytest.mark.parametrize(
     ("config", "axes", "launcher"),
-    [("hybrid.yaml", {"fsdp", "tp"}, "lightning"), ("3d.yaml", {"pp", "tp"}, "torchrun")],
+    [
+        ("hybrid.yaml", {"fsdp", "tp"}, "lightning"),
+        ("3d.yaml", {"pp", "tp"}, "torchrun"),
+        ("long_context.yaml", {"cp"}, "lightning"),
+    ],
 )
 def test_check_times_every_axis_of_the_configs_mesh_and_passes(tmp_path, config, axes, launcher):
-    """Launched as `fit` is, by Lightning's launcher or torchrun: exit 0 and, for every axis of size > 1, each of its
-    collectives at each size with a latency and a bus bandwidth; on hybrid.yaml, tp's all-reduce of 1 MiB within 10x
-    either way of a plain timed loop of the same call on the same pairs of ranks."""
-    launched = commands("check")[{"lightning": 0, "torchrun": 1}[launcher]]  # the check guide's two commands
+    """The check guide's three commands, launched as `fit` is, by Lightning's launcher or torchrun: exit 0 and, for
+    every axis of size > 1, each of its collectives at each size (on a cp axis, the all-to-all too) with a latency and
+    a bus bandwidth; on hybrid.yaml, tp's all-reduce of 1 MiB within 10x either way of a plain timed loop of the same
+    call on the same pairs of ranks."""
+    launched = next(command for command in commands("check") if f"configs/{config}" in command)  # the guide's
     assert f"configs/{config}" in launched
     if launcher == "torchrun":
         assert launched[0] == "torchrun"
@@ -47,13 +52,14 @@ def test_check_times_every_axis_of_the_configs_mesh_and_passes(tmp_path, config,
     assert [r["rank"] for r in result["ranks"]] == [0, 1, 2, 3]
     assert {r["launcher"] for r in result["ranks"]} == {launcher}
     measured = {(m["axis"], m["op"], m["bytes"]): m for m in result["measurements"]}
-    ops = {"pp": ["send_recv"]}.get
+    ops = {"pp": ["send_recv"], "cp": ["all_reduce", "all_gather", "reduce_scatter", "all_to_all"]}.get
     for axis in axes:
         for op in ops(axis, ["all_reduce", "all_gather", "reduce_scatter"]):
             for size in (64 * 1024, 1024 * 1024):
                 m = measured[(axis, op, size)]
                 assert m["latency_us"] > 0 and m["busbw_gbps"] > 0, m
-                factor = {"all_reduce": 1.0, "send_recv": 1.0}.get(op, 0.5)  # 2(n-1)/n or (n-1)/n for n = 2
+                n = m["group_size"]
+                factor = {"all_reduce": 2 * (n - 1) / n, "send_recv": 1.0}.get(op, (n - 1) / n)
                 assert m["busbw_gbps"] == pytest.approx(factor * m["algbw_gbps"])
     assert {m["axis"] for m in result["measurements"]} == axes
     if config == "hybrid.yaml":

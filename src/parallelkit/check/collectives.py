@@ -70,10 +70,11 @@ def axis_groups(spec: MeshSpec, axis: str) -> list[tuple[int, ...]]:
 
 
 def ops_of(axis: str) -> tuple[str, ...]:
-    """The collectives training runs over an axis: point-to-point between stages on pp, all-to-all on ep too."""
+    """The collectives training runs over an axis: point-to-point between stages on pp, all-to-all on ep (the tokens
+    to their experts) and cp too (Ulysses' heads; the all-gather method gathers keys and values)."""
     if axis == "pp":
         return ("send_recv",)
-    if axis == "ep":
+    if axis in ("ep", "cp"):
         return ("all_reduce", "all_gather", "reduce_scatter", "all_to_all")
     return ("all_reduce", "all_gather", "reduce_scatter")
 
