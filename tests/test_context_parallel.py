@@ -9,7 +9,18 @@ import torch
 from hf_families import tiny_config
 from models import TINY_LLAMA, TinyMixer
 from snippets import parallelkit_args
-from support import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses, torchrun
+from support import (
+    REPO,
+    assert_ok,
+    assert_same_losses,
+    callback,
+    common,
+    fit,
+    in_repo,
+    parallelkit,
+    step_losses,
+    torchrun,
+)
 
 from parallelkit.errors import PlanError
 from parallelkit.models import GPT, HFCausalLM
@@ -148,8 +159,8 @@ def test_a_hugging_face_family_cp_cannot_split_is_refused_naming_the_family_and_
 
 
 def test_the_long_context_config_is_read_as_a_cp_layout(tmp_path):
-    """configs/long_context.yaml (the guide's measurements: 4096 tokens, cp 4, Ulysses) parses as the CLI reads it."""
-    proc = parallelkit("fit", "--config", str(REPO / "configs" / "long_context.yaml"), "--print_config", cwd=tmp_path)
+    """The README's command: configs/long_context.yaml (4096 tokens, cp 4, Ulysses) parses as the CLI reads it."""
+    proc = parallelkit(*in_repo(parallelkit_args("long-context")), "--print_config", cwd=tmp_path)
     assert_ok(proc)
     assert "mesh_shape:" in proc.stdout and "cp_method: ulysses" in proc.stdout and "seq_len: 4096" in proc.stdout
 

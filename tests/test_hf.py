@@ -9,6 +9,7 @@ import transformers  # noqa: F401  the [hf] extra, which .ci/run installs: missi
 import yaml
 from hf_families import tiny_config
 from models import GEMMA3, TINY_LLAMA
+from snippets import parallelkit_args
 from support import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses
 
 from parallelkit.contract import declared_plan
@@ -61,6 +62,8 @@ PIPELINE = (
     "--trainer.strategy.meta_init=true",
 )
 
+hf_cp_command = parallelkit_args("cp-hf")
+assert hf_cp_command[:3] == ["fit", "--config", "configs/hf_llama.yaml"]
 LAYOUTS = {
     # [[2, 2]] with default sequence parallelism is the shared reference run (its checkpoint is resumed below).
     "llama_tp2_loss_parallel": ((), mesh('[[1, 2], ["fsdp", "tp"]]', 2, 8, "--trainer.strategy.loss_parallel=true")),
@@ -72,7 +75,7 @@ LAYOUTS = {
         mesh('[[4, 1], ["fsdp", "tp"]]', 4, 2, "--trainer.strategy.activation_checkpointing=full"),
     ),
     # Context parallelism through transformers' attention interface: each sequence split over the cp ranks.
-    "llama_fsdp2_cp2": ((), mesh('[[2, 2], ["fsdp", "cp"]]', 4, 4)),
+    "llama_fsdp2_cp2": ((), tuple(hf_cp_command[3:])),  # the long-sequences guide's command
     "qwen3_tied_fsdp2_cp2_ulysses": (
         qwen3(),
         mesh('[[2, 2], ["fsdp", "cp"]]', 4, 4, "--trainer.strategy.cp_method=ulysses"),
