@@ -108,6 +108,7 @@ def test_hf_llama_on_2x2_with_sequence_parallelism_matches_single_process_losses
     ("name", "layout"),
     [
         ("1f1b_pp2", (*PIPELINE, *mesh('[[2], ["pp"]]', 2, 8))),
+        ("1f1b_pp2_cp2", (*PIPELINE, *mesh('[[2, 2], ["pp", "cp"]]', 4, 8))),  # stages' attention across the slices
         ("one_process", mesh('[[1], ["fsdp"]]', 1, 8)),
     ],
 )

@@ -90,7 +90,7 @@ def parallelize(
             apply_tensor_parallel(root, mesh["tp"], resolved)
         experts = apply_expert_parallel(root, mesh["ep"], resolved) if resolved.ep_size > 1 else []
         if resolved.cp_size > 1:
-            apply_context_parallel(root, mesh["cp"], resolved.attention, resolved.cp_method)
+            apply_context_parallel(root, mesh["cp"], resolved.attention, resolved.cp_method, model)
         if prepare is not None and dp_mesh is None:
             prepare(root)  # with FSDP, each unit just before it is sharded (its full-size parameters one at a time)
         held = dict(root.named_modules())

@@ -267,24 +267,28 @@ ATTENTION = {"allgather": allgather_attention, "ulysses": ulysses_attention}
 """Each method's attention function: (q, k, v, positions, group, split, *, scale, window, softcap) -> output."""
 
 
-def apply_context_parallel(root: nn.Module, cp_mesh: DeviceMesh, attention: Sequence[str], method: str) -> None:
+def apply_context_parallel(
+    root: nn.Module, cp_mesh: DeviceMesh, attention: Sequence[str], method: str, model: nn.Module | None = None
+) -> None:
     """Make the attention modules of `root` named in `attention` (the resolved plan's) attend across the cp ranks'
-    slices: each one's `attend` becomes `method`'s, over `cp_mesh`'s group, for this rank's `SequenceSplit`."""
+    slices: each one's `attend` becomes `method`'s, over `cp_mesh`'s group, for this rank's `SequenceSplit`. `model`:
+    what `root` was made from (a pipeline stage's model), told to route its attention (default: `root`)."""
     split = SequenceSplit(cp_mesh.size(), cp_mesh.get_local_rank())
     attend = partial(ATTENTION[method], group=cp_mesh.get_group(), split=split)
     # Compiled blocks run it eagerly between their compiled parts: its collectives and their custom backward are
     # not for dynamo to trace (a graph break at each attention, the projections and MLP around it compiled).
-    route_attention(root, attention, torch.compiler.disable(attend))
+    route_attention(root, attention, torch.compiler.disable(attend), model)
 
 
-def route_attention(root: nn.Module, attention: Sequence[str], attend: Any) -> None:
+def route_attention(root: nn.Module, attention: Sequence[str], attend: Any, model: nn.Module | None = None) -> None:
     """Give each module of `root` named in `attention` the attention function `attend`, and tell a model that routes
-    its attention (`parallelkit.contract.ATTENTION_HOOK`: `HFCausalLM`) to call it."""
+    its attention (`parallelkit.contract.ATTENTION_HOOK`: `HFCausalLM`), `model` or one inside it (default: `root`),
+    to call it."""
     held = dict(root.named_modules())
     for fqn in attention:
         if fqn in held:
             held[fqn].attend = attend
-    for module in held.values():
+    for module in (root if model is None else model).modules():
         route = getattr(module, ATTENTION_HOOK, None)
         if callable(route):
             route()
