@@ -87,9 +87,10 @@ def main() -> None:
                     if losses is not None and any(abs(a - b) > 1e-4 * abs(b) for a, b in zip(values["loss"], losses)):
                         sys.exit(f"seq_len={seq_len}: cp={cp}'s losses {values['loss']} are not cp={args.cps[0]}'s")
                     losses = values["loss"]
-                    medians.setdefault((seq_len, cp), []).append(statistics.median(values["step_s"][args.warmup :]))
+                    step = statistics.median(values["step_s"][args.warmup :])
+                    medians.setdefault((seq_len, cp), []).append(step)
                     activations[(seq_len, cp)] = max(values["activations_mb"])
-                    print(f"turn {turn}: seq_len {seq_len} cp {cp}: {medians[(seq_len, cp)][-1]:.3f} s/step", flush=True)
+                    print(f"turn {turn}: seq_len {seq_len} cp {cp}: {step:.3f} s/step", flush=True)
     layouts = {}
     for (seq_len, cp), steps in medians.items():
         step = statistics.median(steps)
