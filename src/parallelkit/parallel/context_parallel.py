@@ -197,10 +197,15 @@ def allgather_attention(
     local = q.shape[2]
     keys, values = _gather(k, group, split, dim=2), _gather(v, group, split, dim=2)
     whole = _whole_positions(positions, group, split, local, q)
-    seq = whole.shape[1]
-    query_index = (split.gathered(seq) if group is None else split.indices(seq)).to(q.device)
-    mask = _mask(query_index, packed_examples(whole), window)
-    return _attend(q, keys, values, mask, scale, softcap)
+    seq, documents = whole.shape[1], packed_examples(whole)
+    held = split.gathered(seq) if group is None else split.indices(seq)
+    chunk = seq // (2 * split.cp)
+    out = []
+    for start in range(0, local, chunk):  # a chunk's queries attend only the keys up to its last one: about half of
+        end = int(held[start + chunk - 1]) + 1  # the (local x seq) scores a single call would make and mask
+        mask = _mask(held[start : start + chunk].to(q.device), documents[:, :end], window)
+        out.append(_attend(q[:, :, start : start + chunk], keys[:, :, :end], values[:, :, :end], mask, scale, softcap))
+    return torch.cat(out, dim=2)
 
 
 def _sequence_for_heads(tensor: torch.Tensor, group: object, split: SequenceSplit) -> torch.Tensor:
