@@ -62,6 +62,7 @@ from parallelkit.compat.torch import (
     view_base,
 )
 from parallelkit.compat.transformers import (
+    hf_attention_function,
     hf_conversions,
     hf_ep_plan,
     hf_initialize,
@@ -89,6 +90,7 @@ __all__ = [
     "hf_ep_plan",
     "hf_initialize",
     "hf_pp_plan",
+    "hf_attention_function",
     "hf_supports_sdpa",
     "hf_tp_plan",
     "in_backward",

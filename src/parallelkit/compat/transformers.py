@@ -54,6 +54,12 @@ def hf_supports_sdpa(config: Any) -> bool:
     return bool(family._supports_sdpa)
 
 
+def hf_attention_function(model: Module) -> str:
+    """The attention implementation a transformers model's config names (its `_attn_implementation`: "sdpa",
+    "eager", or one registered with `AttentionInterface`); transformers 5.x has no public reader."""
+    return model.config._attn_implementation
+
+
 def hf_initialize(model: Module) -> None:
     """Run a Hugging Face model's own weight initialisation (`_init_weights` on every module) again, on tensors
     that already exist. transformers marks modules and tensors it initialised with `_is_hf_initialized` and skips

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallelkit.compat import hf_attention_function
 from parallelkit.errors import PlanError
 
 CP_ATTENTION = "parallelkit_context_parallel"
@@ -67,7 +68,7 @@ def use_split_attention(model: nn.Module) -> None:
 
     AttentionInterface.register(CP_ATTENTION, split_attention)
     model.set_attn_implementation(CP_ATTENTION)
-    if model.config._attn_implementation != CP_ATTENTION:
+    if hf_attention_function(model) != CP_ATTENTION:
         raise PlanError(
             f"{model.config.model_type}: transformers does not let its attention function be set (the family does not "
             "call attention through AttentionInterface), so its sequences cannot be split over cp ranks. Fix: a mesh "
