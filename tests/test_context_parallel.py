@@ -107,17 +107,6 @@ def test_lora_on_hsdp_x_cp_with_every_block_recomputed_matches_one_processs_lora
     assert losses[19] < losses[0]
 
 
-def test_compiled_blocks_with_cp_attention_between_their_graphs_match_one_process(baseline, reference):
-    """compile (aot_eager: torch.compile's tracing and autograd, no C++ toolchain) on [[2, 2], ["fsdp", "cp"]] with
-    Ulysses: each block compiles around its attention, which runs eagerly between the graphs (its collectives and
-    their backward are not traced); 20 steps equal one process's, and graphs were built."""
-    layout = ('--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]', "--trainer.strategy.cp_method=ulysses")
-    compiled = ("--trainer.strategy.compile=aot_eager", callback("models.CompiledGraphs"))
-    run = reference("hybrid.yaml", *layout, *compiled)
-    assert_same_losses(baseline("plain").losses(), run.losses())
-    assert min(run.losses("compiled_graphs").values()) > 0
-
-
 def test_each_process_holds_at_most_0_3x_one_processs_activations_at_cp_4(tmp_path, corpus):
     """configs/long_context.yaml (one 4096-token sequence a step, Ulysses) at cp = 4 against the same config on one
     process, 2 steps each: the largest rank's bytes saved for backward (RankMonitor's `memory/activations_mb`) at most

@@ -273,6 +273,15 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         ),
         ["HFCausalLM (bloom): with its sequences split over cp ranks", "its attention cannot be split. Fix: a mesh"],
     ),
+    "compile and activation checkpointing together under cp": (
+        fit_config(
+            "hybrid.yaml",
+            '--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]',
+            "--trainer.strategy.compile=aot_eager",
+            "--trainer.strategy.activation_checkpointing=full",
+        ),
+        ["on a mesh with cp=2: a compiled block runs its cp attention eagerly", "Fix: one of compile or activation"],
+    ),
     "a dry run of a model preset, which names no strategy": (
         lambda tmp: parallelkit("check", "--dry-run", "--config", PRESET_70B, "--devices-per-node", "8", cwd=tmp),
         [

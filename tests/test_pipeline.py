@@ -3,7 +3,7 @@
 import pytest
 import torch
 from snippets import parallelkit_args
-from support import assert_ok, assert_same_losses, common, fit, fit_command, script, step_losses
+from support import assert_ok, assert_same_losses, callback, common, fit, fit_command, script, step_losses
 from torch import nn
 
 from parallelkit import PipelineStrategy
@@ -43,13 +43,15 @@ STEPS = 20
             "plain",
         ),
         # Each sequence split over 2 cp ranks in every stage (the stages hand on their slice and its positions),
-        # validating on its pipelined slices too.
+        # validating on its pipelined slices too; compiled blocks (aot_eager), the attention eager between graphs.
         (
-            "1f1b_pp2_cp2_validating",
+            "1f1b_pp2_cp2_compiled_validating",
             "1f1b.yaml",
             [
                 "--trainer.devices=4",
                 '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "cp"]]',
+                "--trainer.strategy.compile=aot_eager",
+                callback("models.CompiledGraphs"),
                 "--trainer.val_check_interval=10",
                 "--trainer.limit_val_batches=3",
             ],
@@ -92,6 +94,8 @@ def test_pipeline_matches_single_process_losses(tmp_path, corpus, baseline, name
     assert losses[STEPS - 1] < losses[0] - 1.0
     if expected == "val":
         assert_same_losses(baseline(expected).losses("val_loss"), step_losses(tmp_path, "val_loss"))
+    if "compiled" in name:
+        assert min(step_losses(tmp_path, "compiled_graphs").values()) > 0
 
 
 def test_pipeline_clipping_uses_the_norm_across_stages_and_shards(tmp_path, corpus, baseline):

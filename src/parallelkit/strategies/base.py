@@ -220,6 +220,13 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
                 "it, which torch 2.13 cannot do for tensor-parallel blocks (it saves their device mesh). Set "
                 "activation_checkpointing='none', compile=false, or use a mesh without tp."
             )
+        if self.mesh_spec.cp_size > 1 and self.compile_backend() and self.activation_checkpointing not in ("none", 0):
+            raise ConfigError(
+                f"compile={self.compile!r} with activation_checkpointing={self.activation_checkpointing!r} on a mesh "
+                f"with cp={self.mesh_spec.cp_size}: a compiled block runs its cp attention eagerly between two graphs, "
+                "and inside a checkpointed block torch cannot break the graph there (it would train uncompiled). Fix: "
+                "one of compile or activation_checkpointing."
+            )
         if self.loss_parallel and tp == 1:
             raise ConfigError(
                 f"loss_parallel=True needs a tp axis larger than 1, but mesh_shape is {self.mesh_spec}. "
