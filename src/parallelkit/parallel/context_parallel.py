@@ -10,16 +10,18 @@ sequence's: a rank's tokens keep their global indices.
 alike), both exact (the same scores and softmax as one process, only another summation order):
 
 - `allgather_attention`: each rank gathers every rank's keys and values (an all-gather of K and V; in backward their
-  gradients are summed back to the ranks that own them) and attends its own queries against the whole sequence with
-  the causal and document mask of their global indices. Any head count, grouped-query attention included; K and V of
-  the whole sequence are held for the call (Llama 3's training and torchtitan's `allgather` rotation do this).
+  gradients are summed back to the ranks that own them) and attends each of its chunks of queries against the keys up
+  to the chunk's last one, with the causal and document mask of their global indices. Any head count, grouped-query
+  attention included; K and V of the whole sequence are held for the call (Llama 3's training and torchtitan's
+  `allgather` rotation do this).
 - `ulysses_attention` (DeepSpeed Ulysses): an all-to-all turns sequence-sharded q, k, v of every head into the whole
   sequence of H / cp heads; each rank attends those heads over the whole sequence, and a second all-to-all turns the
   output back. Four all-to-alls of the activations' size per layer, independent of cp; needs the (query and key/value)
   head counts divisible by cp.
 
 The masks are built from the whole sequence's positions, gathered once per call: a packed row's documents (positions
-restart at 0 where an example begins) are kept apart across the split exactly as on one process.
+restart at 0 where an example begins) are kept apart across the split exactly as on one process. Both take what
+transformers' attention modules pass besides (a scale, a sliding window, a score softcap: `models/hf_attention.py`).
 """
 
 from __future__ import annotations
