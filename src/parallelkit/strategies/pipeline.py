@@ -173,10 +173,10 @@ class PipelineStrategy(ParallelkitStrategy):
         self._has_first = any(stage.is_first for stage in pipeline_stages)
         self._has_last = any(stage.is_last for stage in pipeline_stages)
         self._pp_group = pp_mesh.get_group()
-        # The ranks whose tokens differ (data-parallel x cp: a cp rank's stages run its slice of each sequence), and
-        # how many the gradient reduction averages over.
-        self._dp_group = token_group(self)
-        self._dp_size = reduction_size(self)
+        # The ranks whose tokens differ (data-parallel x cp: a cp rank's stages run its slice of each sequence), over
+        # which losses are logged, and how many the gradient reduction averages over (without cp: the dp size).
+        self._token_group = token_group(self)
+        self._reduction_size = reduction_size(self)
         self._last_stage_rank = dist.get_global_rank(self._pp_group, schedule.last_stage_rank())
         # Gradient clipping adds up the stages' norms.
         self.precision_plugin.stage_group = pp_mesh.get_group()
@@ -246,9 +246,9 @@ class PipelineStrategy(ParallelkitStrategy):
         self._step_targets = batch["num_targets"] if tokens else None
         # Pairs: the whole batch's mean loss is the mean over microbatches, and Lightning would divide by
         # accumulate_grad_batches before its own backward: both divisions happen here, on each microbatch. Token
-        # batches: each share is multiplied by the data-parallel size, which the stages' gradient reduction divides by
+        # batches: each share is multiplied by the reduction's size, which the stages' gradient reduction divides by
         # (`CausalLM.token_training_step`).
-        self._loss_scale = self._dp_size if tokens else 1 / (self.microbatches * accumulate)
+        self._loss_scale = self._reduction_size if tokens else 1 / (self.microbatches * accumulate)
         losses: list[torch.Tensor] = []
         args = self._first_stage_args(batch, inputs)
         run = self._schedule.step if train else self._schedule.eval
@@ -261,7 +261,7 @@ class PipelineStrategy(ParallelkitStrategy):
             self._log_schedule_stats(*self._clock.stop())
         if self._has_last:
             loss = torch.stack([loss.detach().float() for loss in losses]).sum()
-            loss = loss / self._dp_size if tokens else loss * accumulate
+            loss = loss / self._reduction_size if tokens else loss * accumulate
         else:
             loss = torch.zeros((), device=self.root_device)
         dist.broadcast(loss, src=self._last_stage_rank, group=self._pp_group)
@@ -316,7 +316,7 @@ class PipelineStrategy(ParallelkitStrategy):
         if isinstance(batch, Mapping):
             module.log_step_share(loss, batch_idx, trainer.accumulate_grad_batches)
             return loss
-        module.log("train_loss", loss, on_step=True, prog_bar=True, sync_dist=True, sync_dist_group=self._dp_group)
+        module.log("train_loss", loss, on_step=True, prog_bar=True, sync_dist=True, sync_dist_group=self._token_group)
         return loss
 
     @override
@@ -325,10 +325,10 @@ class PipelineStrategy(ParallelkitStrategy):
         weight = {}
         if isinstance(batch, Mapping):
             # The global micro-batch's token mean, weighted by its targets: the epoch's value is the token mean.
-            loss = loss * self._dp_size
+            loss = loss * self._reduction_size
             weight = {"batch_size": int(batch["num_targets"])}
         self.lightning_module.log(
-            "val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True, sync_dist_group=self._dp_group, **weight
+            "val_loss", loss, on_epoch=True, prog_bar=True, sync_dist=True, sync_dist_group=self._token_group, **weight
         )
 
     @override
@@ -350,7 +350,7 @@ class PipelineStrategy(ParallelkitStrategy):
     @override
     def test_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
         loss = self._run(batch, train=False)
-        self.lightning_module.log("test_loss", loss, on_epoch=True, sync_dist=True, sync_dist_group=self._dp_group)
+        self.lightning_module.log("test_loss", loss, on_epoch=True, sync_dist=True, sync_dist_group=self._token_group)
 
 
 class _Stage(PipelineStage):
