@@ -271,7 +271,10 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
             '--model.init_args.config={"model_type": "bloom", "vocab_size": 256, "hidden_size": 64, "n_layer": 2}',
             '--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]',
         ),
-        ["HFCausalLM (bloom): with its sequences split over cp ranks", "its attention cannot be split. Fix: a mesh"],
+        [
+            "HFCausalLM (bloom): with its sequences split over cp ranks",
+            "its attention cannot be split (docs/families.md, column cp, says why). Fix: a mesh",
+        ],
     ),
     "compile and activation checkpointing together under cp": (
         fit_config(

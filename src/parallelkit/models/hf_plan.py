@@ -222,8 +222,8 @@ class HFPlanMixin:
             return (
                 f"with its sequences split over cp ranks (one process holding every rank's slice), {model_type!r} "
                 "does not compute its own logits (or its tiny config could not be checked) in parallelkit's family "
-                "sweep, tests/test_hf_families.py: its attention cannot be split. Fix: a mesh without cp (e.g. "
-                'mesh_shape [[-1], ["fsdp"]]).'
+                "sweep, tests/test_hf_families.py: its attention cannot be split (docs/families.md, column cp, says "
+                'why). Fix: a mesh without cp (e.g. mesh_shape [[-1], ["fsdp"]]).'
             )
         return ""
 
