@@ -75,13 +75,14 @@ class SequenceSplit:
         return torch.cat((torch.arange(first, first + chunk), torch.arange(second, second + chunk)))
 
     def gathered(self, seq_len: int) -> torch.Tensor:
-        """Global indices of the tokens of every rank laid end to end in rank order (what an all-gather gives)."""
-        return torch.cat([self.indices(seq_len, rank) for rank in range(self.cp)])
+        """Global indices of the tokens of every rank laid end to end in rank order (what an all-gather gives); made
+        once per length."""
+        return _gathered(self.cp, seq_len)
 
     def order(self, seq_len: int) -> torch.Tensor:
         """The permutation that puts gathered tokens (`gathered`) back into sequence order: `gathered[order]` is
-        `arange(seq_len)`."""
-        return torch.argsort(self.gathered(seq_len))
+        `arange(seq_len)`; made once per length."""
+        return _order(self.cp, seq_len)
 
     def take(self, tensor: torch.Tensor, dim: int = 1) -> torch.Tensor:
         """This rank's tokens of `tensor`, whose dimension `dim` is the whole sequence."""
@@ -117,6 +118,16 @@ class _Gather(torch.autograd.Function):
 @cache
 def _indices(cp: int, rank: int, seq_len: int) -> torch.Tensor:
     return SequenceSplit(cp, rank)._make_indices(seq_len, rank)
+
+
+@cache
+def _gathered(cp: int, seq_len: int) -> torch.Tensor:
+    return torch.cat([_indices(cp, rank, seq_len) for rank in range(cp)])
+
+
+@cache
+def _order(cp: int, seq_len: int) -> torch.Tensor:
+    return torch.argsort(_gathered(cp, seq_len))
 
 
 def _gather(tensor: torch.Tensor, group: object | None, split: SequenceSplit, dim: int) -> torch.Tensor:
