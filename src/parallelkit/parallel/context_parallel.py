@@ -137,16 +137,43 @@ def _gather(tensor: torch.Tensor, group: object | None, split: SequenceSplit, di
     return whole.index_select(dim, split.order(whole.shape[dim]).to(whole.device))
 
 
-def _whole_positions(
+@dataclass
+class _Rows:
+    """What the masks need of one forward's rows, from the whole sequence's positions: each token's example (batch,
+    seq) and, asked once, whether every row is one example. Every attention layer of a forward gets the same
+    positions tensor, so this is made for the first and kept for the others (`_rows`): the positions' all-gather is
+    a collective and the check a device sync, once per forward rather than once per layer."""
+
+    positions: torch.Tensor | None
+    group: object | None
+    split: SequenceSplit
+    examples: torch.Tensor
+    _one_each: bool | None = None
+
+    def one_example_each(self) -> bool:
+        if self._one_each is None:
+            self._one_each = bool((self.examples == self.examples[:, :1]).all())
+        return self._one_each
+
+
+_last_rows: list[_Rows] = []
+
+
+def _rows(
     positions: torch.Tensor | None, group: object | None, split: SequenceSplit, local: int, like: torch.Tensor
-) -> torch.Tensor:
-    """The whole sequence's positions, (batch, seq): gathered from every rank's, or the token indices when the
-    batch has none (an unpacked row)."""
+) -> _Rows:
+    """The `_Rows` of `positions` (this rank's tokens' global positions, (batch, local); None for an unpacked row:
+    the token indices), reused while the same tensor comes back."""
     if positions is None:
         seq = local if group is None else local * split.cp
-        return torch.arange(seq, device=like.device).expand(like.shape[0], -1)
+        examples = torch.zeros(like.shape[0], seq, dtype=torch.long, device=like.device)
+        return _Rows(None, group, split, examples, _one_each=True)
+    if _last_rows and (last := _last_rows[0]).positions is positions and (last.group, last.split) == (group, split):
+        return last
     with torch.no_grad():
-        return _gather(positions, group, split, dim=1)
+        examples = packed_examples(_gather(positions, group, split, dim=1))
+    _last_rows[:] = [_Rows(positions, group, split, examples)]
+    return _last_rows[0]
 
 
 def _mask(query_index: torch.Tensor, documents: torch.Tensor, window: int | None) -> torch.Tensor:
@@ -209,8 +236,8 @@ def allgather_attention(
     and attends them all as the ranks would: how the family sweep checks a model's attention without processes."""
     local = q.shape[2]
     keys, values = _gather(k, group, split, dim=2), _gather(v, group, split, dim=2)
-    whole = _whole_positions(positions, group, split, local, q)
-    seq, documents = whole.shape[1], packed_examples(whole)
+    documents = _rows(positions, group, split, local, q).examples
+    seq = documents.shape[1]
     held = split.gathered(seq) if group is None else split.indices(seq)
     chunk = seq // (2 * split.cp)
     out = []
@@ -262,12 +289,12 @@ def ulysses_attention(
     all-to-all back. Arguments as `allgather_attention`'s; every head count divisible by cp (`check_heads`)."""
     local = q.shape[2]
     check_heads(q.shape[1], k.shape[1], split.cp)
-    whole = _whole_positions(positions, group, split, local, q)
+    rows = _rows(positions, group, split, local, q)
     queries, keys, values = (_sequence_for_heads(t, group, split) for t in (q, k, v))
-    documents = packed_examples(whole)
     mask = None  # one example per row and no window: the kernel's own causal mask, no seq x seq tensor
-    if window is not None or not bool((documents == documents[:, :1]).all()):
-        mask = _mask(torch.arange(whole.shape[1], device=q.device), documents, window)
+    if window is not None or not rows.one_example_each():
+        seq = rows.examples.shape[1]
+        mask = _mask(torch.arange(seq, device=q.device), rows.examples, window)
     return _heads_for_sequence(_attend(queries, keys, values, mask, scale, softcap), group, split)
 
 
