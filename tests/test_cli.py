@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 from support import REPO, assert_ok, assert_same_losses, fit, parallelkit, step_losses
 
 
@@ -105,6 +106,35 @@ def test_validate_and_test_a_checkpoint_give_the_single_process_loss(
     own layout to one process's loss on the same batches."""
     assert_ok(evaluate(subcommand, config, tmp_path, corpus, reference(config).checkpoint))
     assert_same_losses({0: single_process_val_loss(baseline)}, step_losses(tmp_path, key))
+
+
+def test_bf16_true_validation_averages_in_fp32_to_fp32s_val_loss(tmp_path: Path, corpus: Path):
+    """Under `precision: bf16-true` the module is cast to bf16, and with it torchmetrics' states unless they guard
+    against it: the validation mean was then a bf16 running sum (6.66 for fp32's 5.58 over the whole split; rounded to
+    bf16 even over two batches). Every batch of the validation split, on a parallelkit strategy (one process)."""
+    val_loss = {}
+    for precision in ("32-true", "bf16-true"):
+        (tmp_path / precision).mkdir()
+        assert_ok(
+            parallelkit(
+                "validate",
+                "--config",
+                str(REPO / "configs" / "single.yaml"),
+                "--trainer.strategy=fsdp2",
+                f"--trainer.precision={precision}",
+                "--trainer.limit_val_batches=1.0",
+                f"--trainer.logger.init_args.save_dir={tmp_path / precision}",
+                "--trainer.enable_progress_bar=false",
+                f"--data.init_args.paths={corpus}",
+                f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+                cwd=tmp_path / precision,
+            )
+        )
+        (val_loss[precision],) = step_losses(tmp_path / precision, "val_loss").values()
+    fp32, bf16 = val_loss["32-true"], val_loss["bf16-true"]
+    # Each batch's loss computed in bf16 is within a few units of bf16's rounding (2**-8) of fp32's; so is their mean.
+    assert abs(bf16 - fp32) < 2**-8 * fp32, val_loss
+    assert bf16 != fp32 and float(torch.tensor(bf16).bfloat16()) != bf16, val_loss  # computed in bf16, not summed in it
 
 
 @pytest.mark.parametrize(("config", "processes", "batch_size"), [("hybrid.yaml", 4, 4), ("1f1b.yaml", 2, 8)])

@@ -4,13 +4,13 @@ warmup and cosine schedule. A subclass gives the network (`forward(inputs) -> lo
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import lightning as L
 import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, Metric
 from typing_extensions import override
 
 from parallelkit.contract import IGNORE_INDEX, token_share
@@ -19,6 +19,22 @@ from parallelkit.mesh import reduction_size, token_group
 Batch = tuple[torch.Tensor, torch.Tensor] | Mapping[str, torch.Tensor]
 """`(inputs, targets)`: token ids, and the next token of each (what the pretraining datamodules yield); or a token
 batch (`parallelkit.contract.TOKEN_BATCH`: masked labels, positions of packed examples, the step's target count)."""
+
+
+class Float32Mean(MeanMetric):
+    """torchmetrics' `MeanMetric` whose sum and weight stay in fp32 (or wider) whatever the module is cast to.
+
+    torchmetrics guards `.half()`/`.bfloat16()` but not `.to(dtype)`, which is how `precision: bf16-true` casts the
+    module (parallelkit's strategies and Lightning's alike): the states became bf16, so a validation's mean was a bf16
+    running sum (6.5 after 300 batches of 5.26; rounded to bf16 even after two). A metric is bookkeeping, not compute:
+    it accumulates in fp32 under every precision."""
+
+    @override
+    def _apply(self, fn: Callable, exclude_state: Sequence[str] = "") -> Metric:
+        metric = super()._apply(fn, exclude_state)
+        if metric.dtype.is_floating_point and torch.finfo(metric.dtype).bits < 32:
+            metric.set_dtype(torch.float32)  # calls `_apply` once more, at fp32
+        return metric
 
 
 class CausalLM(L.LightningModule):
@@ -30,7 +46,7 @@ class CausalLM(L.LightningModule):
 
     def __init__(self) -> None:
         super().__init__()
-        self.val_loss = MeanMetric()
+        self.val_loss = Float32Mean()
 
     def pipeline_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean next-token cross-entropy; works on vocab-sharded logits under `loss_parallel()`."""
