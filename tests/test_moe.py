@@ -140,12 +140,16 @@ def test_all_to_all_carries_the_routed_tokens_and_none_are_dropped(ep4):
         assert row["comm/all_to_all_bytes"] == expected
 
 
-def test_expert_monitor_counts_training_steps_only_across_the_sanity_check_and_validation(tmp_path, corpus):
-    """configs/moe.yaml on [[2], ["ep"]] with its sanity check and a validation after step 2: every training step's
-    copies per expert sum to that step's tokens x top-2 x 2 layers (the global batch of 8 x 64), and none is dropped
-    (validation's copies, routed and computed, once counted into the next training step: dropped -4096 at step 0)."""
+def test_expert_monitor_counts_training_steps_only_across_the_sanity_check_and_validation_in_bf16(
+    tmp_path, corpus, ep4
+):
+    """configs/moe.yaml on [[2], ["ep"]] in bf16-true with its sanity check and a validation after step 2: every
+    training step's copies per expert sum to that step's tokens x top-2 x 2 layers (the global batch of 8 x 64), and
+    none is dropped (validation's copies, routed and computed, once counted into the next training step: dropped -4096
+    at step 0). Expert parallelism's bf16 run: its losses within 2% of the fp32 ep4 run's on the same global batches,
+    and not equal to them."""
     validating = ["--trainer.val_check_interval=2", "--trainer.limit_val_batches=2", "--trainer.num_sanity_val_steps=2"]
-    run = [*common(corpus, tmp_path / "cache", steps=4), *validating]
+    run = [*common(corpus, tmp_path / "cache", steps=4), *validating, "--trainer.precision=bf16-true"]
     layout = ['--trainer.strategy.mesh_shape=[[2], ["ep"]]', "--trainer.devices=2", "--data.init_args.batch_size=4"]
     assert_ok(fit(CONFIG, tmp_path, *run, *layout))
     rows = list(_metrics(tmp_path))
@@ -153,6 +157,9 @@ def test_expert_monitor_counts_training_steps_only_across_the_sanity_check_and_v
     for row in rows:
         assert sum(row[f"moe/tokens_expert_{e}"] for e in range(8)) == 8 * 64 * 2 * 2, row
         assert row["moe/dropped"] == 0, row
+    bf16, fp32 = step_losses(tmp_path), step_losses(ep4)
+    assert_same_losses({step: fp32[step] for step in bf16}, bf16, rtol=0.02)
+    assert max(abs(bf16[s] - fp32[s]) / fp32[s] for s in bf16) > 1e-4
 
 
 def _metrics(log):

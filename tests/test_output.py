@@ -25,6 +25,7 @@ def test_main_command_prints_no_warning_that_is_not_about_the_users_code(tmp_pat
     assert_ok(proc)
     output = proc.stdout + proc.stderr
     assert "Epoch 0" in output and "Total params" in output and "val_loss" in output  # what a run should show
+    assert "v_num" not in output  # the logger's version, as a float ("v_num: 0.000")
     assert not NOISE.findall(output), [line for line in output.splitlines() if NOISE.search(line)]
 
 

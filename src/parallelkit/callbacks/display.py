@@ -22,6 +22,13 @@ class ProgressBar(RichProgressBar):
             description = description.replace(f"/{self.trainer.max_epochs - 1}", "")
         return description
 
+    @override
+    def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
+        # The logger's version, which the rich bar formats as a float ("v_num: 0.000"): the run's directory says it.
+        metrics = super().get_metrics(trainer, pl_module)
+        metrics.pop("v_num", None)
+        return metrics
+
 
 class ModelSummary(RichModelSummary):
     """Lightning's rich model summary, without its FLOPs column and total when they were not measured (Lightning

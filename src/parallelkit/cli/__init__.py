@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from parallelkit.cli.config import read_config
+from parallelkit.compat import quiet_known_noise
 from parallelkit.errors import ParallelkitError
 
 TOOLS_HELP = """\
@@ -96,6 +97,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `parallelkit` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
     launcher_pid = os.getppid()
+    quiet_known_noise()  # before a tool or a model imports transformers, which imports torchao
     try:
         if args and args[0] in TOOLS:
             sys.exit(tool(args[0])(args[1:]))

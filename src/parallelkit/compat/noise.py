@@ -28,12 +28,21 @@ class _Without(logging.Filter):
         return not self.pattern.search(str(record.msg) % record.args if record.args else str(record.msg))
 
 
+_quieted = False
+
+
 def quiet_known_noise() -> None:
     """Silence, precisely, what is printed on every run that is neither about the user's code nor actionable:
     Lightning's own use of a torch API that torch 2.13 deprecated and its advertisements for cloud services; and,
     where torchao is installed (transformers imports it with every model), its optional CUDA kernels built for
     another Python failing to load (NF4 needs none of them) and torch telling torchao's developers that registering
-    its Enums is deprecated. Every other warning, torch's, torchao's and Lightning's included, still shows."""
+    its Enums is deprecated. Every other warning, torch's, torchao's and Lightning's included, still shows. Once per
+    process: the `parallelkit` command calls it first of all (its tools import transformers too), and the plugins'
+    activation again for a Trainer built from Python."""
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
     warnings.filterwarnings(
         "ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated", module=r"lightning\.pytorch\.utilities"
     )
