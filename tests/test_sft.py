@@ -415,6 +415,7 @@ def test_the_worked_example_fits_a_pretrained_model_on_a_jsonl_file_and_exports_
             "--trainer.max_steps=6",
             "--trainer.limit_val_batches=0",
             "--trainer.callbacks.init_args.every_n_train_steps=6",  # the config's ModelCheckpoint
+            "--trainer.precision=bf16-true",  # as fine-tuning is usually run: SFT's bf16 run
         )
     )
     assert_ok(parallelkit(*parallelkit_args("sft-finetune", 1, **place), cwd=run))
