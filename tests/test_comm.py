@@ -225,8 +225,10 @@ def ddp(hook: str) -> list[str]:
 
 def test_ddp_hooks_apply_on_cpu_with_the_bytes_they_claim(tmp_path, corpus, baseline, ddp_fp32):
     """fp32 and bf16 on ddp.yaml's 2 processes; the fp32 run is the session's `ddp_fp32` (the same flags as
-    `ddp("fp32")`, shared with test_checkpoint.py)."""
-    assert_ok(fit("ddp.yaml", tmp_path / "bf16", *common(corpus, tmp_path / "cache")[:-1], *ddp("bf16")))
+    `ddp("fp32")`, shared with test_checkpoint.py). The bf16 hook's run also computes in bf16-mixed (Lightning's
+    autocast under DDP, whose gradients stay fp32: the hook still halves them): DDP's bf16 run."""
+    bf16 = (*ddp("bf16"), "--trainer.precision=bf16-mixed")
+    assert_ok(fit("ddp.yaml", tmp_path / "bf16", *common(corpus, tmp_path / "cache")[:-1], *bf16))
     runs = {"fp32": ddp_fp32, "bf16": tmp_path / "bf16"}
     params = sum(p.numel() for p in reference_model().parameters())
     fp32, bf16 = (step_losses(runs[h], "comm/all_reduce_bytes") for h in ("fp32", "bf16"))
