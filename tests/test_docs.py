@@ -4,6 +4,8 @@ or parsed by a test or marked illustrative, every test they name a test that exi
 from __future__ import annotations
 
 import ast
+import importlib
+import inspect
 import os
 import re
 import subprocess
@@ -11,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from snippets import PAGES, REPO, Block, blocks, commands, snippet
 from support import assert_ok, launch, parallelkit
 
@@ -160,7 +163,10 @@ def test_each_guide_names_the_tests_that_pin_what_it_shows():
 
 
 def test_the_site_builds_with_strict_checks(tmp_path):
-    """Broken links, pages left out of the navigation and API references that resolve to nothing fail the build."""
+    """Broken links, pages left out of the navigation and API references that resolve to nothing fail the build. In
+    the built pages: commands carry their language (the class stylesheets/code.css wraps them by), and the API
+    reference calls no `**kwargs` or `*args` "required" (mkdocstrings' table style did, for arguments documented on a
+    class that inherits its constructor)."""
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
         cwd=REPO,
@@ -170,4 +176,151 @@ def test_the_site_builds_with_strict_checks(tmp_path):
         timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-6000:]
-    assert (tmp_path / "site" / "guides" / "lora-qlora" / "index.html").exists()
+    guide = (tmp_path / "site" / "guides" / "lora-qlora" / "index.html").read_text()
+    assert 'href="../../stylesheets/code.css"' in guide and 'class="language-bash highlight"' in guide
+    api = (tmp_path / "site" / "reference" / "api" / "index.html").read_text()
+    items = re.findall(r'<(li|tr) class="doc-section-item[^"]*">(.*?)</\1>', api, re.S)
+    variadic = [text for _, text in items if re.search(r"<code>\*{1,2}\w+</code>", text)]
+    assert len(variadic) >= 3, "the API page documents no **kwargs: the item finder finds nothing"
+    required = [re.sub(r"<[^>]+>|\s+", " ", text).strip() for text in variadic if "required" in text]
+    assert not required, f"variadic arguments shown as required in the API reference: {required}"
+    assert 'id="parallelkit.lora.add_adapters"' in api
+
+
+def test_the_built_site_is_not_committed():
+    """`mkdocs build` writes `site/` at the repository root."""
+    proc = subprocess.run(["git", "check-ignore", "-q", "site/index.html"], cwd=REPO, timeout=60)
+    assert proc.returncode == 0, "site/ is not in .gitignore"
+
+
+def fenced_lines(page: Path) -> list[tuple[int, str, bool]]:
+    """(line number from 1, line, inside a fenced block) for each line of `page`, fences counted as inside."""
+    found, inside = [], False
+    for number, line in enumerate(page.read_text().splitlines(), 1):
+        fence = re.match(r"^\s*```", line)
+        found.append((number, line, inside or bool(fence)))
+        if fence:
+            inside = not inside
+    return found
+
+
+COMMAND_LANGS = {"bash", "console", "sh", "shell"}
+COMMAND_WIDTH = 100
+
+
+def test_every_command_line_of_the_site_fits_in_100_characters():
+    """The theme shows about 78 characters of code beside both sidebars and wraps longer command lines
+    (stylesheets/code.css); a command past 100 characters wraps twice or more, or was a scrollbar before the wrap.
+    Break it with `\\` (tests/snippets.py joins continuation lines) or put its comment on a line of its own."""
+    long = [
+        f"{block.where}+{number}: {len(line)} characters"
+        for block in blocks(tuple(page for page in PAGES if page.is_relative_to(REPO / "docs")))
+        if block.lang in COMMAND_LANGS
+        for number, line in enumerate(block.text.splitlines(), 1)
+        if len(line) > COMMAND_WIDTH
+    ]
+    assert not long, f"command lines over {COMMAND_WIDTH} characters: {long}"
+
+
+def test_the_sites_commands_wrap_and_stay_clear_of_the_copy_button():
+    config = yaml.safe_load((REPO / "mkdocs.yml").read_text())
+    sheets = [REPO / config["docs_dir"] / sheet for sheet in config.get("extra_css", [])]
+    css = "".join(sheet.read_text() for sheet in sheets if sheet.exists())
+    wraps = re.search(r"\.language-bash pre > code[^{]*\{[^}]*white-space:\s*pre-wrap", css)
+    assert wraps, f"no stylesheet of mkdocs.yml's extra_css ({sheets}) wraps bash blocks"
+    assert re.search(r"pre > code\s*\{[^}]*padding-right", css), "code runs under the copy button"
+    (highlight,) = [ext for ext in config["markdown_extensions"] if "pymdownx.highlight" in str(ext)]
+    assert highlight["pymdownx.highlight"]["pygments_lang_class"], "blocks carry no language-bash class to wrap by"
+
+
+def sections(page: Path) -> list[tuple[str, str]]:
+    """The page's `## ` sections as (heading, text), the text before the first one under the heading ""."""
+    found = [("", [])]
+    for _, line, fenced in fenced_lines(page):
+        if not fenced and line.startswith("## "):
+            found.append((line[3:].strip(), []))
+        else:
+            found[-1][1].append(line)
+    return [(heading, "\n".join(lines)) for heading, lines in found]
+
+
+GUIDES = sorted((REPO / "docs" / "guides").glob("*.md"))
+
+
+@pytest.mark.parametrize("page", GUIDES, ids=lambda page: page.stem)
+def test_each_guide_opens_with_its_task_and_ends_with_the_tests_that_pin_it(page):
+    """STYLE.md: a reader who came to do something meets the command first; the tests that pin a guide are listed
+    in its last section, `## Pinned by` (a note under a command may name the test that runs it)."""
+    *body, (last, pinned) = sections(page)
+    assert last == "Pinned by", f"{page.name}: its last section is {last!r}, not '## Pinned by'"
+    assert named_tests(pinned), f"{page.name}: its Pinned by section names no test"
+    lines = fenced_lines(page)
+    first_block = next((number for number, _, fenced in lines if fenced), None)
+    before = "\n".join(line for number, line, _ in lines if first_block is None or number < first_block)
+    if first_block is None:  # no command: the whole page before its Pinned by section
+        before = "\n".join(text for _, text in body)
+    assert not named_tests(before), f"{page.name}: names tests before its first code block: {named_tests(before)}"
+    paragraphs = [p for _, text in body for p in re.split(r"\n\s*\n", text) if re.search(r"(?i)\bpinned by\b", p)]
+    assert not paragraphs, f"{page.name}: 'Pinned by' paragraphs outside its last section: {paragraphs}"
+
+
+PYPROJECT = (REPO / "pyproject.toml").read_text()
+ENTRY_POINT_GROUPS = set(re.findall(r'^\[project\.entry-points\."([\w.]+)"\]', PYPROJECT, re.M))
+NOT_IN_THE_API = {
+    "parallelkit.optim.replicate_plain_tensors": "performance.md says how the optimizer step treats plain tensors",
+}
+"""Functions and classes the pages may name without the API reference documenting them, with the reason."""
+
+
+def python_object(dotted: str) -> object:
+    """What `dotted` names, as mkdocstrings finds it: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            found = getattr(found, part)
+        return found
+    raise ImportError(dotted)
+
+
+def test_every_class_and_function_the_pages_name_is_in_the_api_reference():
+    """A dotted `parallelkit.x.y` a page names is an importable name (or an entry-point group), and when it is a
+    class or a function the API reference (docs/reference/api.md) documents it, under that path or another."""
+    reference = REPO / "docs" / "reference" / "api.md"
+    documented = [python_object(name) for name in re.findall(r"^::: (\S+)", reference.read_text(), re.M)]
+    unknown, missing = [], []
+    for page in PAGES:
+        if page == reference:
+            continue
+        for name in sorted(set(re.findall(r"\bparallelkit(?:\.[A-Za-z_]\w*)+", page.read_text()))):
+            if name in ENTRY_POINT_GROUPS or name in NOT_IN_THE_API:
+                continue
+            try:
+                found = python_object(name)
+            except (ImportError, AttributeError):
+                unknown.append(f"{page.relative_to(REPO)}: {name}")
+                continue
+            if (inspect.isclass(found) or inspect.isfunction(found)) and not any(found is d for d in documented):
+                missing.append(f"{page.relative_to(REPO)}: {name}")
+    assert not unknown, f"names that import nothing: {unknown}"
+    assert not missing, f"classes and functions the pages name that the API reference leaves out: {missing}"
+
+
+def test_the_precision_section_lists_every_precision_and_the_tests_that_check_it():
+    """Every parity claim is fp32; the Precision section says, per precision a parallelkit strategy runs, what it is
+    checked against, and names every test that trains or validates in bf16."""
+    from parallelkit.strategies.precision import PRECISIONS
+
+    page = REPO / "docs" / "guides" / "your-model.md"
+    (section,) = [text for heading, text in sections(page) if heading == "Precision"]
+    rows = re.findall(r"^\| `([\w-]+)` \|", section, re.M)
+    assert rows[: len(PRECISIONS)] == list(PRECISIONS), f"the table's precisions {rows} are not {list(PRECISIONS)}"
+    named = {ref.split("::")[1] for ref in named_tests(page.read_text())}
+    bf16 = {
+        name for names in defined_tests().values() for name in names if re.match(r"test_\w*bf16_(mixed|true)", name)
+    }
+    assert bf16 and not bf16 - named, f"bf16 tests your-model.md's Precision section does not name: {bf16 - named}"
+    assert "docs/guides/your-model.md#precision" in (REPO / "README.md").read_text()

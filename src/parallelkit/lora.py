@@ -185,9 +185,33 @@ def output_layers(model: nn.Module) -> set[str]:
 
 
 def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[str]:
-    """Give `lora.targets`' linear layers adapters and freeze every other parameter of `model`; returns the adapted
-    modules' names. None: nothing (the model trains whole). Call it where the model builds its layers (on the meta
-    device too), before a strategy applies its plan."""
+    """Give `lora.targets`' linear layers adapters and freeze every other parameter of `model`.
+
+    Call it where the model builds its layers (on the meta device too), before a strategy applies its plan: for a
+    LightningModule of your own, at the end of its `__init__` (`GPT` and `HFCausalLM` do it for their `lora`
+    argument). Each targeted layer becomes a `LoRALinear` in place, under the same name, so the model's parallel plan
+    applies unchanged.
+
+    ```python
+    class MyModel(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = MyNetwork()
+            add_adapters(self, {"rank": 8, "alpha": 16, "targets": ["attn.q", "attn.v"]})
+    ```
+
+    Args:
+        model: The module whose linear layers get adapters: a LightningModule, or a network inside one.
+        lora: A `LoRA`, or the mapping of its fields as a config writes it; None adds nothing (the model trains
+            whole).
+
+    Returns:
+        The adapted modules' names, in module order.
+
+    Raises:
+        ConfigError: A target that matches no module, or matches a module that is not a `torch.nn.Linear`; a model
+            that has adapters already.
+    """
     lora = as_lora(lora)
     if lora is None:
         return []
