@@ -160,6 +160,29 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         fit_config("hf_llama.yaml", '--model.init_args.config={"model_type": "lama"}'),
         ["model.config model_type='lama' is not a model type transformers", "Did you mean 'llama'?"],
     ),
+    "a key of an inline Hugging Face config misspelt": (  # transformers would keep it and route top-8
+        misspelt("moe.yaml", "num_experts_per_tok", "num_experts_per_tokk"),
+        [
+            "model.config has a key Qwen3MoeConfig (model_type qwen3_moe) does not know: num_experts_per_tokk=2",
+            "did you mean 'num_experts_per_tok', which stays 8?",
+            "Fix: rename or remove it in model.init_args.config",
+        ],
+    ),
+    "a key misspelt in the config given beside a pretrained directory": (  # its config.json's own keys are not judged
+        lambda tmp: fit(
+            "hf_llama.yaml",
+            tmp,
+            *QUICK,
+            f"--model.init_args.pretrained={pretrained_with(tmp)}",
+            '--model.init_args.config={"model_type": "llama", "vocab_size": 256, "rms_norm_epsilon": 1e-5}',
+            timeout=120,
+        ),
+        [
+            "model.config has a key LlamaConfig (model_type llama) does not know: rms_norm_epsilon=1e-05",
+            "did you mean 'rms_norm_eps', which stays 1e-06?",
+            "Fix: rename or remove it",
+        ],
+    ),
     "pretrained config.json with an unknown model_type": (
         fit_pretrained(config={"model_type": "lama"}),
         ["llama/config.json model_type='lama' is not a model type transformers", "Did you mean 'llama'?"],
@@ -313,7 +336,11 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
     ),
     "a validation split smaller than one global batch": (  # 4 processes would start, then each refuse it
         fit_config("sft.yaml", "--data.init_args.val_fraction=0.002"),
-        ["The val split of the built-in conversations holds", "fewer than one global batch of 8", "data.val_fraction"],
+        [
+            "4000 examples (the built-in conversations)",
+            "(1) the validation split holds 4 rows, fewer than one global batch of 8",
+            "Fix, all at once: --data.init_args.val_fraction=0.05 (then 3800 train examples",
+        ],
     ),
     "val_check_interval beyond an epoch's batches": (
         # A text of fixed size (~100 KB: about 190 batches of 8 x 64 bytes an epoch, a val split of 10 batches).
@@ -437,3 +464,54 @@ def test_an_error_only_rank_zero_meets_is_reported_once_and_the_other_ranks_stay
         timeout=180,
     )
     assert_one_paragraph_error(proc, ["rank 0 alone met this (models.FailOnRankZero)"])
+
+
+def test_sft_on_a_dozen_chats_names_every_problem_at_once_with_overrides_that_pass(tmp_path: Path):
+    """configs/sft.yaml on 12 chats stopped three times in a row (a train split under one global batch, then the
+    validation split, then val_check_interval past an epoch): one refusal names the three, with one set of overrides
+    that the same check accepts (run here in this process: the refusal's check, on the data it tokenized)."""
+    import json
+    import re
+    from types import SimpleNamespace
+
+    import yaml
+
+    from parallelkit.data import SFTDataModule
+
+    chats = tmp_path / "chats.jsonl"
+    turns = [("system", "You are helpful."), ("user", "What is {i} + {i}?"), ("assistant", "{i} + {i} = {twice}.")]
+    chats.write_text(
+        "".join(
+            json.dumps({"messages": [{"role": r, "content": c.format(i=i, twice=2 * i)} for r, c in turns]}) + "\n"
+            for i in range(12)
+        )
+    )
+    data = (f"--data.init_args.paths={chats}", f"--data.init_args.cache_dir={tmp_path / 'cache'}")
+    proc = fit("sft.yaml", tmp_path, *QUICK, *data, timeout=120)
+    assert "SFT data: 12 examples: 11 train, 1 validation (" in proc.stdout + proc.stderr  # not "the train split"
+    fix = "--data.init_args.batch_size=1 --data.init_args.val_fraction=0.3 --trainer.val_check_interval=1"
+    assert_one_paragraph_error(
+        proc,
+        [
+            "The SFT data is too small for this run: 12 examples",
+            "where a global batch is 8 rows (data.batch_size 4 x data-parallel size 2). 3 problems:",
+            "(1) the train split holds 4 rows, fewer than one global batch of 8",
+            "(2) the validation split holds 1 row, fewer than one global batch of 8",
+            "(3) trainer.val_check_interval=50 batches is more than an epoch's 0 training batches",
+            f"Fix, all at once: {fix} (then 8 train examples in 3 rows, 4 validation in 2 rows",
+        ],
+    )
+    overrides = dict(re.findall(r"--([\w.]+)=(\S+)", proc.stderr.rsplit("Fix, all at once:", 1)[1].split(" (")[0]))
+    config = yaml.safe_load((REPO / "configs" / "sft.yaml").read_text())
+    trainer = SimpleNamespace(
+        **{key: config["trainer"].get(key) for key in ("val_check_interval", "limit_val_batches")},
+        limit_train_batches=1.0,
+        check_val_every_n_epoch=1,
+    )
+    options = {**config["data"]["init_args"], "paths": str(chats), "cache_dir": str(tmp_path / "cache")}
+    for key, value in overrides.items():
+        if key.startswith("trainer."):
+            setattr(trainer, key.removeprefix("trainer."), yaml.safe_load(value))
+        else:
+            options[key.removeprefix("data.init_args.")] = yaml.safe_load(value)
+    SFTDataModule(**options).check_launch(None, 2, trainer)  # fsdp 2 x tp 2: 2 data-parallel processes

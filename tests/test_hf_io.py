@@ -151,6 +151,21 @@ def test_a_directory_that_is_not_a_checkpoint_or_lacks_a_shard_or_does_not_fit_t
         HFCausalLM(config=wider, pretrained=str(pretrained))
 
 
+def test_a_config_json_keeps_keys_of_its_own_where_an_inline_config_is_refused_them(tmp_path, pretrained):
+    """A saved config.json may carry keys its class does not declare (a note, a tool's field): they load as
+    transformers loads them. The same key in an inline config (given beside `pretrained`, it replaces config.json)
+    is refused, as a misspelt field would silently leave the model at that field's default."""
+    noted = tmp_path / "noted"
+    noted.mkdir()
+    for path in pretrained.iterdir():
+        (noted / path.name).symlink_to(path)
+    (noted / "config.json").unlink()
+    (noted / "config.json").write_text(json.dumps({**json.loads((pretrained / "config.json").read_text()), "notes": 1}))
+    assert HFCausalLM(pretrained=str(noted)).config.notes == 1
+    with pytest.raises(ConfigError, match=r"LlamaConfig \(model_type llama\) does not know: notes=1\. .* Its fields: "):
+        HFCausalLM(config={"model_type": "llama", **LLAMA, "notes": 1}, pretrained=str(pretrained))
+
+
 def test_plan_recommends_a_fitting_layout_for_the_llama_70b_preset_with_its_published_parameter_count(tmp_path):
     config = REPO / "configs" / "models" / "llama3_70b.yaml"
     args = ["plan", "--config", str(config), "--nodes", "4", "--devices-per-node", "8", "--device-memory", "80GB"]

@@ -405,7 +405,7 @@ def test_the_worked_example_fits_a_pretrained_model_on_a_jsonl_file_and_exports_
         "/data/chats.jsonl": str(data),
     }
     assert_ok(
-        fit_command(
+        fitted := fit_command(
             parallelkit_args("sft-finetune", 0, **place),
             run,
             f"--data.init_args.cache_dir={tmp_path / 'cache'}",
@@ -418,6 +418,7 @@ def test_the_worked_example_fits_a_pretrained_model_on_a_jsonl_file_and_exports_
             "--trainer.precision=bf16-true",  # as fine-tuning is usually run: SFT's bf16 run
         )
     )
+    assert f"SFT data: 300 examples: 285 train, 15 validation (['{data}'])" in fitted.stdout + fitted.stderr
     assert_ok(parallelkit(*parallelkit_args("sft-finetune", 1, **place), cwd=run))
     answered: dict = {}
     exec(snippet("sft-chat").text.replace("/data/Qwen2.5-0.5B-Instruct-sft", str(export)), answered)

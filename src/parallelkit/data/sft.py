@@ -36,6 +36,7 @@ from parallelkit.data.chat import (
 )
 from parallelkit.data.packing import Examples, PackedRows, StepTargetSampler, collate
 from parallelkit.data.sampler import GlobalBatchSampler
+from parallelkit.data.sft_sizing import SmallDataCheck
 from parallelkit.data.stream import PositionedLoader, TokenStreamDataModule, cache_root, find_files
 from parallelkit.errors import DataError
 
@@ -46,7 +47,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 """The files of a tokenizer directory whose contents name the cache (a changed template makes a new one)."""
 
 
-class SFTDataModule(TokenStreamDataModule):
+class SFTDataModule(SmallDataCheck, TokenStreamDataModule):
     """Instruction fine-tuning data: conversations and prompt/completion pairs, masked, packed, token-mean batches.
 
     Records (`parallelkit.data.chat`): JSONL lines, Parquet and Arrow files, `datasets` `save_to_disk`
@@ -115,6 +116,7 @@ class SFTDataModule(TokenStreamDataModule):
         self.split = split
         self.overlong = overlong
         self.report: dict[str, Any] = {}
+        self._lengths = np.zeros(0, dtype=np.int64)  # each example's tokens, once set up
         self._encoder: ChatEncoder | None = None
 
     # -- sources and tokenizer ---------------------------------------------------------------------------------
@@ -251,9 +253,8 @@ class SFTDataModule(TokenStreamDataModule):
         pad_id = pad if pad is not None else encoder.eos_id if encoder.eos_id is not None else 0
         lengths = examples.lengths()
         overlong = lengths > self.seq_len
-        keep = np.flatnonzero(~overlong) if self.overlong == "drop" else np.arange(len(examples))
-        split = int(round(len(examples) * (1.0 - self.val_fraction)))
-        train, val = keep[keep < split], keep[keep >= split]
+        self._lengths = lengths
+        train, val = self._split(self.val_fraction)
         self.train_set = PackedRows(examples, *self._rows(train, lengths), self.seq_len, pad_id)
         self.val_set = PackedRows(examples, *self._rows(val, lengths), self.seq_len, pad_id)
         rows = self.train_set
@@ -271,11 +272,20 @@ class SFTDataModule(TokenStreamDataModule):
         self._said = dict(self.report)
         cut = "truncated to" if self.overlong == "truncate" else "left out at"
         rank_zero_info(
-            f"SFT data: {len(examples)} examples ({self.describe('train')}); {self.report['overlong']} longer than "
-            f"{self.seq_len} tokens {cut} it (longest {self.report['longest']}); {len(rows)} train rows "
+            f"SFT data: {len(examples)} examples: {len(train)} train, {len(val)} validation ({self.source()}); "
+            f"{self.report['overlong']} longer than {self.seq_len} tokens {cut} it (longest {self.report['longest']}); "
+            f"{len(rows)} train rows "
             f"({'packed' if self.packing else 'padded'}, {self.report['fill']:.1%} of their tokens real, "
             f"{self.report['train_targets']} targets), {len(self.val_set)} val rows."
         )
+
+    def _split(self, val_fraction: float) -> tuple[np.ndarray, np.ndarray]:
+        """The indices of the examples that train and of those that validate under `val_fraction` (the last ones),
+        without those `overlong: drop` leaves out."""
+        lengths = self._lengths
+        keep = np.flatnonzero(lengths <= self.seq_len) if self.overlong == "drop" else np.arange(len(lengths))
+        split = int(round(len(lengths) * (1.0 - val_fraction)))
+        return keep[keep < split], keep[keep >= split]
 
     def _rows(self, indices: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """`(members, bounds)` of the rows holding the examples `indices`: one each, or packed in a seeded order."""
@@ -294,9 +304,12 @@ class SFTDataModule(TokenStreamDataModule):
             bounds.append(len(order))
         return np.asarray(order, dtype=np.int64), np.asarray(bounds, dtype=np.int64)
 
+    def source(self) -> str:
+        """Where the records come from, for messages."""
+        return "the built-in conversations" if self.paths is None else f"{self.paths}"
+
     def describe(self, split: str) -> str:
-        where = "the built-in conversations" if self.paths is None else f"{self.paths}"
-        return f"The {split} split of {where}"
+        return f"The {split} split of {self.source()}"
 
     def more_data_hint(self, split: str) -> str:
         return "raise data.val_fraction or add records" if split == "val" else "add records to data.paths"

@@ -44,7 +44,8 @@ class HFCausalLM(HFPlanMixin, HFStagesMixin, CausalLM):
     Args:
         config: The architecture: an inline mapping with `model_type` and the config's fields (e.g.
             `{model_type: llama, hidden_size: 64, num_attention_heads: 4, num_key_value_heads: 2, ...}`), or a local
-            directory holding `config.json`. Default: `pretrained`'s config.json.
+            directory holding `config.json`. Default: `pretrained`'s config.json. An inline key the family's config
+            class does not know (a misspelt field, which transformers would keep unread) is refused.
         pretrained: A local directory as `save_pretrained` writes it (config.json and safetensors weights, sharded
             or not). Its weights replace the random initialisation; under `meta_init` each process reads only the
             parts of each tensor it holds. None: weights start from the seed (the model's own initialisation).
@@ -83,7 +84,7 @@ class HFCausalLM(HFPlanMixin, HFStagesMixin, CausalLM):
                 "config.json) or model.init_args.pretrained (a directory save_pretrained wrote)."
             )
         self.pretrained_weights = SafetensorsWeights(pretrained) if pretrained is not None else None
-        hf_config = build_config(config if config is not None else pretrained)
+        hf_config = build_config(config if config is not None else pretrained, known_keys_only=True)
         if attn_implementation is None:
             attn_implementation = "sdpa" if hf_supports_sdpa(hf_config) else "eager"
         eager = not building_on_meta()

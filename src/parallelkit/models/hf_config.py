@@ -4,7 +4,10 @@
 from __future__ import annotations
 
 import difflib
+import functools
+import inspect
 import json
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -31,9 +34,12 @@ def _transformers() -> Any:
     return transformers
 
 
-def build_config(config: Mapping[str, Any] | str | Path) -> Any:
+def build_config(config: Mapping[str, Any] | str | Path, *, known_keys_only: bool = False) -> Any:
     """A transformers config from an inline mapping with `model_type`, or from a local directory's config.json; the
-    same checks and errors for both (a directory's file is untrusted input: read as JSON, no code in it runs)."""
+    same checks and errors for both (a directory's file is untrusted input: read as JSON, no code in it runs).
+
+    `known_keys_only`: refuse an inline mapping's keys that the family's config class does not know
+    (`check_known_keys`), as `HFCausalLM` does; a directory's config.json may carry keys of its own."""
     transformers = _transformers()
     directory = None
     if isinstance(config, (str, Path)):
@@ -63,6 +69,8 @@ def build_config(config: Mapping[str, Any] | str | Path) -> Any:
             f"{source} model_type={model_type!r} is not a model type transformers {transformers.__version__} "
             f"knows.{f' Did you mean {close[0]!r}?' if close else ''} Fix: e.g. llama, qwen3, mistral, gemma3_text."
         )
+    if known_keys_only and directory is None:
+        check_known_keys(model_type, options)
     try:
         if directory is not None:
             built = transformers.AutoConfig.from_pretrained(directory, local_files_only=True)
@@ -79,6 +87,93 @@ def build_config(config: Mapping[str, Any] | str | Path) -> Any:
             f"padding row must be one of its rows). {fix}: a pad_token_id below {vocab}, or null."
         )
     return built
+
+
+def check_known_keys(model_type: str, options: Mapping[str, Any]) -> None:
+    """Raise a ConfigError naming each key of `options` (an inline config of `model_type`, without it) that the
+    family's config class does not know, and the closest it does: transformers keeps an unknown key as an attribute
+    nothing reads, so a misspelt field would leave the model at that field's default without a word.
+
+    Known: the class's fields and constructor arguments, its `attribute_map` aliases, its sub-configs, any attribute
+    a default instance has (properties included), an optional key transformers' code reads (`read_keys`: Qwen3-MoE's
+    `head_dim`, which is no field of its class), and a key transformers consumes when building (`rope_theta`,
+    `rope_scaling`, `torch_dtype`: the legacy keys saved configs carry), found by building with that key alone."""
+    transformers = _transformers()
+    cls = transformers.CONFIG_MAPPING[model_type]
+    try:
+        default = cls()
+    except Exception:  # noqa: BLE001 - a class that needs arguments: transformers' own checks judge the mapping
+        return
+    names = {
+        name
+        for name, param in inspect.signature(cls.__init__).parameters.items()
+        if name != "self" and param.kind not in (param.VAR_POSITIONAL, param.VAR_KEYWORD)
+    }
+    names |= set(default.to_dict()) | set(getattr(cls, "attribute_map", {}) or {})
+    names |= set(getattr(cls, "sub_configs", {}) or {})
+
+    def known(key: str) -> bool:
+        if key in names:
+            return True
+        try:
+            value = getattr(default, key)
+        except AttributeError:
+            pass
+        else:
+            return not callable(value)  # a method's name is no field
+        if key in read_keys(model_type):
+            return True
+        try:
+            probe = cls(**{key: options[key]})
+        except Exception:  # noqa: BLE001 - transformers read the key and refused its value: it knows it
+            return True
+        return key not in vars(probe)  # consumed (a legacy key, converted) rather than kept as it came
+
+    unknown = [key for key in options if not known(str(key))]
+    if not unknown:
+        return
+    fields = sorted(name for name in names if not name.startswith("_"))
+    said = []
+    for key in unknown:
+        close = difflib.get_close_matches(str(key), fields, n=1)
+        guess = f"did you mean {close[0]!r}, which stays {getattr(default, close[0], None)!r}?" if close else ""
+        said.append(f"{key}={options[key]!r}" + (f" ({guess})" if guess else ""))
+    it, attribute = ("it", "an attribute") if len(unknown) == 1 else ("them", "attributes")
+    listed = "" if all("did you mean" in part for part in said) else f" Its fields: {', '.join(fields)}."
+    raise ConfigError(
+        f"model.config has {'a key' if len(unknown) == 1 else 'keys'} {cls.__name__} (model_type {model_type}) does "
+        f"not know: {'; '.join(said)}. transformers would keep {it} as {attribute} nothing reads and build the model "
+        f"without {it}.{listed} Fix: rename or remove {it} in model.init_args.config."
+    )
+
+
+OPTIONAL_READ = re.compile(r"""(?:getattr|hasattr)\(\s*(?:self|[\w.]*config[\w.]*)\s*,\s*["'](\w+)["']""")
+"""`getattr(config, "head_dim", ...)` and its kind in transformers' sources: a config key read when present."""
+
+SHARED_SOURCES = (
+    "configuration_utils.py",
+    "modeling_utils.py",
+    "modeling_rope_utils.py",
+    "modeling_flash_attention_utils.py",
+    "masking_utils.py",
+    "cache_utils.py",
+    "integrations/*.py",
+)
+"""transformers' modules, beside a family's own, whose code reads config keys that may be absent."""
+
+
+@functools.cache
+def read_keys(model_type: str) -> frozenset[str]:
+    """The config keys transformers' code reads where present (`getattr(config, KEY, default)`, `hasattr`), in the
+    family's own modules (`transformers/models/<family>/`) and the shared ones: keys that change the model although
+    its config class does not declare them."""
+    transformers = _transformers()
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    root = Path(transformers.__file__).parent
+    files = [path for pattern in SHARED_SOURCES for path in root.glob(pattern)]
+    files += (root / "models" / model_type_to_module_name(model_type)).glob("*.py")
+    return frozenset(key for path in files for key in OPTIONAL_READ.findall(path.read_text(encoding="utf-8")))
 
 
 def _config_json(directory: Path, given: str | Path) -> dict[str, Any]:
