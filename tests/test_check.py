@@ -140,10 +140,27 @@ def test_dry_run_applies_the_70b_presets_3d_plan_for_a_64_rank_cluster_in_one_pr
 
 def test_a_presets_dry_run_plans_an_auto_mesh_for_the_clusters_device_memory(tmp_path):
     """Llama-3.1-8B's preset with fsdp_tp by its registered name and `mesh_shape: auto`, for 8 devices of 80 GB
-    (`--device-memory`; this machine's memory over 8 fits no layout: test_errors.py): the planner's mesh is built."""
+    (`--device-memory`; this machine's memory over 8 fits no layout: test_errors.py): the planner's mesh is built,
+    and its estimated peak fits the memory less the 10% headroom (fsdp=8, estimated at 72.9 GB, does not)."""
     out = dry_run_json(tmp_path, *in_repo(parallelkit_args("check-dry-run", 1)))  # the check guide's command
-    assert out["mesh"] == '[[8, 1], ["fsdp", "tp"]]' and out["world_size"] == 8
+    assert out["mesh"] == '[[4, 2], ["fsdp", "tp"]]' and out["world_size"] == 8
     assert out["ranks"][0]["params"] == pytest.approx(8_030_261_248 * 4 / 8, rel=0.01)  # fp32 masters, an eighth
+    assert out["planner"]["fits"] and out["planner"]["peak"] <= 0.9 * 80e9  # the headroom `plan` and auto keep
+
+
+def test_a_dry_runs_auto_mesh_that_fits_only_checkpointed_names_the_setting(tmp_path):
+    """hybrid.yaml's GPT with `mesh_shape: auto` on 4 devices of 1.5 MB, 20% of it kept free (`--memory-headroom`, 10%
+    by default), fits no layout with its own settings: the refusal names the activation checkpointing and batch that
+    `plan`'s search finds fitting (that they fit, and that `recommend` names them:
+    test_planner.py::test_an_auto_mesh_that_fits_only_checkpointed_names_the_setting)."""
+    run = ("check", "--dry-run", "--config", str(REPO / "configs" / "hybrid.yaml"), "--device-memory", "1.5MB")
+    refused = parallelkit(*run, "--memory-headroom", "20%", "--trainer.strategy.mesh_shape=auto", cwd=tmp_path)
+    out = " ".join((refused.stdout + refused.stderr).split())
+    assert refused.returncode != 0 and "Traceback" not in out, out[-2000:]
+    assert "fits no layout of 1 x 4 processes with 1.50 MB per device" in out
+    assert "over the 1.20 MB usable of each 1.50 MB device (20% kept free)" in out
+    assert "Fix: --trainer.strategy.activation_checkpointing=full --data.init_args.batch_size=2 " in out
+    assert '(it fits: [[2, 2], ["fsdp", "tp"]], activation_checkpointing=full' in out
 
 
 def test_the_verdict_names_a_tp_group_across_hosts_an_inner_axis_slower_than_an_outer_and_mixed_versions():

@@ -17,7 +17,7 @@ from parallelkit.errors import PlanError
 from parallelkit.init import materialize, meta_parameters
 from parallelkit.models import HFCausalLM
 from parallelkit.parallel import resolve
-from parallelkit.planner import Hardware, Workload, profile, recommend
+from parallelkit.planner import Hardware, Workload, profile, recommend, workloads
 
 LLAMA = "hf_llama.yaml"
 """A Llama with grouped-query attention (4 heads, 2 key/value heads), untied, on FSDP2 x tp [[2, 2]], meta_init."""
@@ -244,7 +244,8 @@ def test_plan_fits_a_llama_3_8b_config_on_8_devices_and_counts_its_parameters(tm
         model = HFCausalLM(**yaml.safe_load(config.read_text())["model"]["init_args"])
     prof = profile(model, seq_len=8)
     assert prof.params == model.model.num_parameters() == 8_030_261_248
-    _, best, _ = recommend(model, Workload(seq_len=8192, micro_batch=1, compute_bytes=2), Hardware(1, 8, 80e9))
+    work = Workload(seq_len=8192, micro_batch=1, compute_bytes=2, global_batch=8)  # the config's: 1 x 8 processes
+    _, best, _ = recommend(model, work, Hardware(1, 8, 80e9), search=workloads(work))
     assert best is not None and best.mesh == report["recommended"]["mesh"]
 
 

@@ -90,9 +90,19 @@ def ranks_of(text: str, world_size: int) -> list[int]:
     return ranks
 
 
-def dry_run(trainer: Any, model: Any, datamodule: Any, ranks: str = "0", as_json: bool = False) -> int:
+def dry_run(
+    trainer: Any,
+    model: Any,
+    datamodule: Any,
+    ranks: str = "0",
+    as_json: bool = False,
+    device_memory: float | None = None,
+    memory_headroom: float | None = None,
+) -> int:
     """Build `ranks` ("all", or comma-separated) of the run `trainer` (its strategy, devices and nodes as the cluster's)
-    would launch, in this process; print each rank's bytes beside the planner's estimate."""
+    would launch, in this process; print each rank's bytes beside the planner's estimate, and with `device_memory`
+    (bytes per device) whether the planner's peak fits it less the headroom `plan` and `mesh_shape: auto` keep
+    (`memory_headroom`, a share; None: the planner's default)."""
     from parallelkit.planner import Hardware, estimate_layout, profile, workload
     from parallelkit.strategies import ParallelkitStrategy
     from parallelkit.strategies.pipeline import PipelineStrategy
@@ -116,7 +126,8 @@ def dry_run(trainer: Any, model: Any, datamodule: Any, ranks: str = "0", as_json
     planned = None
     if work is not None:
         nodes, devices = trainer.num_nodes, trainer.num_devices
-        hw = Hardware(nodes, devices, float("inf"))
+        headroom = {} if memory_headroom is None else {"memory_headroom": memory_headroom}
+        hw = Hardware(nodes, devices, device_memory or float("inf"), **headroom)
         prof = profile(model, work.seq_len, [spec.size("tp")])
         pipeline = isinstance(strategy, PipelineStrategy)
         schedule = strategy.schedule if pipeline else None
@@ -152,5 +163,12 @@ def dry_run(trainer: Any, model: Any, datamodule: Any, ranks: str = "0", as_json
             f"built here (rank {most.rank}): {gb(most.params)}, {gb(most.state)} "
             f"({most.state / planned.state:.3f}x)"
         )
+        if device_memory is not None:
+            verdict = "fits in" if planned.fits else "[red]does not fit[/] in"
+            console.print(
+                f"planner's peak {gb(planned.peak)} (activations and FSDP's buffers too) {verdict} the "
+                f"{gb(hw.usable_memory)} usable of each {gb(device_memory)} device ({hw.memory_headroom:.0%} headroom)"
+                + ("" if planned.fits else ". Fix: a layout or settings that fit: `parallelkit plan` lists them.")
+            )
     console.print(f"{len(states)} rank(s) built in {seconds:.1f} s; the plan applies on {spec.world_size} ranks.")
     return 0

@@ -22,6 +22,8 @@ def check_command(argv: Sequence[str]) -> int:
     from parallelkit import plugins
     from parallelkit.check import Options, launch
     from parallelkit.check.dry_run import dry_run
+    from parallelkit.cli.plan import memory_headroom
+    from parallelkit.planner.records import MEMORY_HEADROOM
 
     parser = argparse.ArgumentParser(prog="parallelkit check", description=check_command.__doc__)
     parser.add_argument("--config", required=True, help="the run's YAML, as for `fit`")
@@ -39,7 +41,14 @@ def check_command(argv: Sequence[str]) -> int:
     parser.add_argument("--rank", default="0", help="dry run: the rank to build, a list, or 'all' (default: 0)")
     parser.add_argument(
         "--device-memory",
-        help="dry run: memory per device a mesh_shape=auto is planned against, e.g. 80GB (default: this machine's)",
+        help="dry run: memory per device, e.g. 80GB: what the planner's peak must fit, less --memory-headroom, and "
+        "what a mesh_shape=auto is planned against (default: this machine's)",
+    )
+    parser.add_argument(
+        "--memory-headroom",
+        default=str(MEMORY_HEADROOM),
+        help="dry run: memory of each device a layout must leave free, a share of --device-memory (0.1 or 10%%) or a "
+        "size (8GB), as for `parallelkit plan` (default: %(default)s)",
     )
     parser.epilog = "Other options are fit's overrides of the config, e.g. --trainer.devices=8."
     args, overrides = parser.parse_known_args(argv)
@@ -66,8 +75,12 @@ def check_command(argv: Sequence[str]) -> int:
             enable_model_summary=False,
         )
     if args.dry_run:
-        if args.device_memory is not None and hasattr(trainer.strategy, "device_memory"):
-            trainer.strategy.device_memory = parse_size(args.device_memory)
-        return dry_run(trainer, cli.model, cli.datamodule, args.rank, args.json)
+        memory = parse_size(args.device_memory) if args.device_memory is not None else None
+        headroom = memory_headroom(args.memory_headroom, memory or float("inf"))
+        if memory is not None and hasattr(trainer.strategy, "device_memory"):
+            trainer.strategy.device_memory = memory
+        if hasattr(trainer.strategy, "memory_headroom"):
+            trainer.strategy.memory_headroom = headroom
+        return dry_run(trainer, cli.model, cli.datamodule, args.rank, args.json, memory, headroom)
     options = Options(args.deadline, args.join_deadline, sizes, args.iters, args.allow_mixed, args.json)
     return launch(trainer, cli.model, cli.datamodule, options)

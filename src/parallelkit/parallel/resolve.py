@@ -237,10 +237,23 @@ def expert_names(model: nn.Module, plan: ParallelPlan, ep: int = 1) -> list[str]
             raise PlanError(
                 f"mesh_shape has ep={ep}, which does not divide the {count} experts of {plan.description}.{fqn}: each "
                 f"ep rank holds num_experts / ep whole experts. Fix: an ep that divides {count} "
-                f"({', '.join(map(str, fits))}), giving the other ranks to fsdp, e.g. mesh_shape "
-                f'[[-1, {max(d for d in fits if ep % d == 0)}], ["fsdp", "ep"]].'
+                f"({', '.join(map(str, fits))}), giving the other ranks to fsdp, e.g. {_kept_ep(count, ep)}."
             )
     return [fqn for fqn, _ in named]
+
+
+def _kept_ep(num_experts: int, ep: int) -> str:
+    """A mesh that keeps expert parallelism for `num_experts` experts in place of an `ep` that does not divide them:
+    the largest ep dividing both (on the same ranks, fsdp taking those it frees), else the ep dividing the experts
+    nearest below `ep`, else above (on a world that it divides)."""
+    divisors = [d for d in range(2, num_experts + 1) if num_experts % d == 0]
+    if not divisors:
+        return 'mesh_shape [[-1], ["fsdp"]] (a single expert: nothing to divide)'
+    same_ranks = [d for d in divisors if ep % d == 0]
+    if same_ranks:
+        return f'mesh_shape [[-1, {same_ranks[-1]}], ["fsdp", "ep"]] (fsdp takes the ranks ep={same_ranks[-1]} frees)'
+    other = max((d for d in divisors if d < ep), default=divisors[0])
+    return f'mesh_shape [[-1, {other}], ["fsdp", "ep"]] (on a world that {other} divides, fsdp taking the rest)'
 
 
 def gathered_inside(styles: Mapping[str, Any]) -> dict[str, str]:

@@ -22,10 +22,15 @@ Communication per optimizer step, logical bytes as `CommunicationMonitor` counts
 all-reduce; tp's activation collectives; pp's boundary activations and their gradients. The step time adds
 compute (6 FLOPs per parameter per token plus attention, at `mfu` of the device's peak, stretched by the
 pipeline bubble; a checkpointed unit's forward runs twice, 8 FLOPs per parameter per token) to every axis's bytes
-over its link bandwidth, with no overlap assumed. Layouts are ranked by job-wide tokens per second among those that
-fit; `recommend(search=workloads(work))` also tries activation checkpointing (none, every 2nd unit, all) and every
-micro-batch that divides the samples a process takes per optimizer step (the rest accumulated), keeping the global
-batch.
+over its link bandwidth, with no overlap assumed. A layout fits when its peak is within the device's memory less a
+headroom (`Hardware.memory_headroom`, MEMORY_HEADROOM by default: what no estimate counts, the CUDA context, the
+allocator's fragmentation, NCCL's buffers). Layouts are ranked by job-wide tokens per second among those that fit;
+`recommend(search=workloads(work))` also tries activation checkpointing (none, every 2nd unit, all) and every
+micro-batch that divides the samples a process takes per optimizer step (the rest accumulated). A workload with a
+`global_batch` (what `parallelkit plan` gives) holds it for every layout, each data-parallel rank taking its share, so
+every layout trains the same and step times compare; without one, a process takes `micro_batch x accumulate` on every
+layout (what `fit` runs, and what `mesh_shape: auto` plans), and a layout with more data-parallel ranks a larger
+global batch. When the workload as given fits no layout, the reason names the checkpointing and micro-batch that fit.
 
 The parts: `records` (what the planner reads and writes: hardware, workload, the model's profile, an estimate),
 `profile` (counting a model by one meta forward), `estimate` (the arithmetic for one layout), `search` (the
@@ -36,6 +41,7 @@ from parallelkit.memory import gb
 from parallelkit.planner.estimate import estimate
 from parallelkit.planner.profile import profile
 from parallelkit.planner.records import (
+    MEMORY_HEADROOM,
     OPTIMIZER_STATES,
     Estimate,
     Hardware,
@@ -48,6 +54,7 @@ from parallelkit.planner.search import CHECKPOINTING_SEARCHED, candidates, estim
 
 __all__ = [
     "CHECKPOINTING_SEARCHED",
+    "MEMORY_HEADROOM",
     "OPTIMIZER_STATES",
     "Estimate",
     "Hardware",

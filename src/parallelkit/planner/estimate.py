@@ -293,8 +293,9 @@ def estimate(
         if worst is None or e.peak > worst.peak:
             worst = e
     worst.step_s = slowest
-    worst.tokens_per_s = work.micro_batch * work.seq_len * work.accumulate * share.replicas / slowest
-    worst.fits = worst.peak <= hw.device_memory
+    worst.data_parallel = share.replicas
+    worst.tokens_per_s = worst.global_batch * work.seq_len / slowest
+    worst.fits = worst.peak <= hw.usable_memory
     return worst
 
 

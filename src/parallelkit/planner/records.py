@@ -9,10 +9,16 @@ from typing import Any
 OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
 """fp32 states per parameter that each optimizer keeps."""
 
+MEMORY_HEADROOM = 0.1
+"""The share of each device's memory a layout must leave free to be planned as fitting: what the estimate does not
+count (the CUDA context, the allocator's fragmentation, NCCL's buffers) takes several GB of a GPU, so a layout
+estimated at 79.9 of 80 GB does not run."""
+
 
 @dataclass(frozen=True)
 class Hardware:
-    """The machines: `device_memory` in bytes, link bandwidths in GB/s, peak dense TFLOP/s per device."""
+    """The machines: `device_memory` in bytes, link bandwidths in GB/s, peak dense TFLOP/s per device and the share
+    of it a step achieves (`mfu`), and the share of the memory kept free (`memory_headroom`, MEMORY_HEADROOM)."""
 
     nodes: int
     devices_per_node: int
@@ -21,10 +27,16 @@ class Hardware:
     inter_node_gbps: float = 25.0
     device_tflops: float = 400.0
     mfu: float = 0.4
+    memory_headroom: float = MEMORY_HEADROOM
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.devices_per_node
+
+    @property
+    def usable_memory(self) -> float:
+        """Bytes per device a layout may use: the device's memory less the headroom."""
+        return self.device_memory * (1 - self.memory_headroom)
 
 
 @dataclass(frozen=True)
@@ -40,6 +52,11 @@ class Workload:
     accumulate: int = 1
     cp_method: str = "allgather"
     """How attention crosses a cp axis (the strategy's `cp_method`), which decides its traffic."""
+    global_batch: int | None = None
+    """Samples per optimizer step over the whole job, when the planner holds it: a layout with dp data-parallel ranks
+    is then tried only where `micro_batch x accumulate x dp` is it (`search.workloads` makes those), so every layout
+    trains the same. None: `micro_batch x accumulate` per process whatever the layout (what `fit` runs for a config's
+    data.batch_size), the global batch growing with dp."""
 
     @property
     def checkpoint_every(self) -> int:
@@ -138,13 +155,16 @@ class Estimate:
     comm: dict[str, float]
     step_s: float
     tokens_per_s: float = 0.0
-    """Job-wide: every data-parallel replica's tokens per estimated step time (what layouts compete on: at the
-    same micro-batch per process, a layout with more replicas does more work per step)."""
+    """Job-wide: every data-parallel replica's tokens per estimated step time, what layouts compete on (at the same
+    global batch, the inverse of the step time)."""
     fits: bool = False
+    """The peak within the device's usable memory (`Hardware.usable_memory`: its headroom kept free)."""
     activation_checkpointing: str | int = "none"
     micro_batch: int = 0
     """Samples per process per forward (data.batch_size); `accumulate` of them per optimizer step."""
     accumulate: int = 1
+    data_parallel: int = 1
+    """Data-parallel ranks (replicate x fsdp x ep), each taking its own `micro_batch x accumulate` samples a step."""
 
     @property
     def state(self) -> float:
@@ -158,5 +178,11 @@ class Estimate:
     def peak(self) -> float:
         return self.tensor_peak + self.gathered
 
+    @property
+    def global_batch(self) -> int:
+        """Samples per optimizer step over the whole job."""
+        return self.micro_batch * self.accumulate * self.data_parallel
+
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "state": self.state, "tensor_peak": self.tensor_peak, "peak": self.peak}
+        derived = {"state": self.state, "tensor_peak": self.tensor_peak, "peak": self.peak}
+        return {**asdict(self), **derived, "global_batch": self.global_batch}

@@ -118,20 +118,46 @@ CHECKPOINTING_SEARCHED: tuple[str | int, ...] = ("none", 2, "full")
 
 def workloads(work: Workload, checkpointing: bool = True, micro_batch: bool = True) -> list[Workload]:
     """`work` with each activation checkpointing of CHECKPOINTING_SEARCHED (`checkpointing`) and each micro-batch that
-    divides the samples a process takes per optimizer step, the rest accumulated (`micro_batch`): the same global
-    batch, so the same training, at another memory and speed."""
-    samples = work.micro_batch * work.accumulate
+    divides the samples a process takes per optimizer step, the rest accumulated (`micro_batch`; else `work`'s
+    micro-batch, accumulated up to them): the same global batch, so the same training, at another memory and speed.
+
+    A process takes `micro_batch x accumulate` samples a step; with `work.global_batch`, global_batch / dp on a layout
+    of dp data-parallel ranks: every such share is tried, and `recommend` gives each layout those of its dp."""
     policies = [work.activation_checkpointing, *(CHECKPOINTING_SEARCHED if checkpointing else ())]
-    batches = _divisors(samples) if micro_batch else [work.micro_batch]
+    if work.global_batch:
+        shares = [work.global_batch // dp for dp in _divisors(work.global_batch)]
+    else:
+        shares = [work.micro_batch * work.accumulate]
     return [
         replace(work, activation_checkpointing=policy, micro_batch=mb, accumulate=samples // mb)
         for policy in dict.fromkeys(policies)
-        for mb in batches
+        for samples in shares
+        for mb in (_divisors(samples) if micro_batch else [work.micro_batch] if samples % work.micro_batch == 0 else [])
     ]
 
 
 def _ranking(e: Estimate) -> tuple[bool, float, float]:
     return (not e.fits, -e.tokens_per_s, e.peak)
+
+
+def _estimates(
+    model: nn.Module, prof: ModelProfile, hw: Hardware, pipeline: bool, search: Sequence[Workload]
+) -> list[Estimate]:
+    """Each candidate layout's estimate (best first) with the workloads of `search` it can take (those of its
+    data-parallel size when they hold a global batch): its fastest fitting one, else its smallest."""
+    split = functools.cache(lambda n: split_stages(model, [layer.name for layer in prof.layers], n))
+    by_layout: dict[tuple[str, str | None], list[Estimate]] = {}
+    for tried in search:
+        for spec, schedule in candidates(prof, hw, tried, pipeline):
+            if tried.global_batch and tried.micro_batch * tried.accumulate * spec.dp_size != tried.global_batch:
+                continue  # another share of the global batch than this layout's data-parallel ranks take
+            e = estimate_layout(model, prof, spec, schedule, tried, hw, split=split)
+            by_layout.setdefault((e.mesh, e.schedule), []).append(e)
+    estimates = [
+        min(tried, key=_ranking) if any(e.fits for e in tried) else min(tried, key=lambda e: e.peak)
+        for tried in by_layout.values()
+    ]
+    return sorted(estimates, key=_ranking)
 
 
 def recommend(
@@ -143,40 +169,56 @@ def recommend(
 ) -> tuple[list[Estimate], Estimate | None, str]:
     """Every candidate layout's estimate (best first), the recommended one (None when none fits), and the one-line
     reason. `search`: the workloads to try each layout with (`workloads(work)`); a layout's row is then its fastest
-    fitting one (else its smallest)."""
+    fitting one (else its smallest). Without it, `work` as it is (the micro-batch accumulated up to each layout's
+    share of `work.global_batch`, when set); when no layout fits it so, the reason names the activation
+    checkpointing and micro-batch of the best layout that `workloads(work)` finds fitting, as the settings to change."""
     prof = profile(model, work.seq_len, _divisors(hw.devices_per_node))
-    split = functools.cache(lambda n: split_stages(model, [layer.name for layer in prof.layers], n))
-    by_layout: dict[tuple[str, str | None], list[Estimate]] = {}
-    for tried in search or [work]:
-        for spec, schedule in candidates(prof, hw, tried, pipeline):
-            e = estimate_layout(model, prof, spec, schedule, tried, hw, split=split)
-            by_layout.setdefault((e.mesh, e.schedule), []).append(e)
-    estimates = [
-        min(tried, key=_ranking) if any(e.fits for e in tried) else min(tried, key=lambda e: e.peak)
-        for tried in by_layout.values()
-    ]
-    estimates.sort(key=_ranking)
+    estimates = _estimates(model, prof, hw, pipeline, search or workloads(work, checkpointing=False, micro_batch=False))
     fitting = [e for e in estimates if e.fits]
-    if not fitting:
-        best = min(estimates, key=lambda e: e.peak)
-        over = best.peak - hw.device_memory
-        searched = "" if search is None else " (activation checkpointing and micro-batch searched)"
+    budget = f"{gb(hw.usable_memory)} usable of each {gb(hw.device_memory)} device ({hw.memory_headroom:.0%} kept free)"
+    if not estimates:
         return (
             estimates,
             None,
-            (
-                f"no layout fits{searched}: the smallest per-device peak is {gb(best.peak)} ({layout(best)}), "
-                f"{gb(over)} over the {gb(hw.device_memory)} device ({best.peak / hw.device_memory:.2f}x). Fix: more "
-                "devices, "
-                + ("" if search else "activation checkpointing, a smaller micro-batch, ")
-                + "a shorter sequence, or a smaller model."
-            ),
+            f"no layout of {hw.nodes} x {hw.devices_per_node} devices takes a global batch of {work.global_batch} "
+            "samples (none has data-parallel ranks that divide it). Fix: a global batch that the data-parallel ranks "
+            "divide, e.g. a multiple of the devices.",
+        )
+    if not fitting:
+        best = min(estimates, key=lambda e: e.peak)
+        over = best.peak - hw.usable_memory
+        searched = "" if search is None else " (activation checkpointing and micro-batch searched)"
+        fix = "more devices, a shorter sequence, or a smaller model."
+        if search is None:
+            wider = [e for e in _estimates(model, prof, hw, pipeline, workloads(work)) if e.fits]
+            fix = (
+                f"{_settings(wider[0], work)} (it fits: {layout(wider[0])}, {gb(wider[0].peak)}); or " + fix
+                if wider
+                else fix[:-1] + " (activation checkpointing and a smaller micro-batch fit no layout either)."
+            )
+        return (
+            estimates,
+            None,
+            f"no layout fits{searched}: the smallest per-device peak is {gb(best.peak)} ({layout(best)}), "
+            f"{gb(over)} over the {budget} ({best.peak / hw.usable_memory:.2f}x). Fix: {fix}",
         )
     best = fitting[0]
-    reason = f"fits in {gb(best.peak)} of {gb(hw.device_memory)} per device with the highest estimated throughput"
+    reason = f"fits in {gb(best.peak)} of the {budget} with the highest estimated throughput"
     reason += f" ({best.tokens_per_s:,.0f} tokens/s"
     reason += f" vs {fitting[1].tokens_per_s:,.0f} for {layout(fitting[1])})" if len(fitting) > 1 else ")"
     return estimates, best, reason
+
+
+def _settings(e: Estimate, work: Workload) -> str:
+    """The overrides that make a run of `work` take `e`'s activation checkpointing and micro-batch."""
+    changed = []
+    if e.activation_checkpointing != work.activation_checkpointing:
+        changed.append(f"--trainer.strategy.activation_checkpointing={e.activation_checkpointing}")
+    if e.micro_batch != work.micro_batch:
+        changed.append(f"--data.init_args.batch_size={e.micro_batch}")
+    if e.accumulate != work.accumulate:
+        changed.append(f"--trainer.accumulate_grad_batches={e.accumulate}")
+    return " ".join(changed)
 
 
 def layout(e: Estimate) -> str:

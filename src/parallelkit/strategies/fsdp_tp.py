@@ -40,6 +40,10 @@ class FSDPTPStrategy(ParallelkitStrategy):
     """Bytes per device `mesh_shape="auto"` is planned against: None for the device's own (a GPU's) or this machine's
     memory shared by its processes (CPU); `parallelkit check --dry-run --device-memory` sets the cluster's."""
 
+    memory_headroom: float | None = None
+    """The share of each device's memory `mesh_shape="auto"` leaves free: None for the planner's default
+    (`planner.MEMORY_HEADROOM`, as `parallelkit plan`); `parallelkit check --dry-run --memory-headroom` sets it."""
+
     def parallelize_model(self, trainer: Any) -> None:
         # The escape hatch: a model overriding configure_model() has already parallelised itself there.
         if self.resolved is not None:
@@ -130,6 +134,8 @@ class FSDPTPStrategy(ParallelkitStrategy):
             elsewhere = (
                 " For a cluster's devices: parallelkit check --dry-run --device-memory 80GB (their memory), or `plan`."
             )
+        if self.memory_headroom is not None:
+            hw["memory_headroom"] = self.memory_headroom
         hardware = Hardware(self.num_nodes, self.num_processes, memory, **hw)
         try:
             _, best, reason = recommend(meta, work, hardware, pipeline=False)
