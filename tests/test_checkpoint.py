@@ -1,6 +1,7 @@
 """Checkpoints: load across layouts, consolidate to one file, refuse what does not fit, survive crashes."""
 
 import contextlib
+import csv
 import itertools
 import os
 import shlex
@@ -480,35 +481,131 @@ def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp
 
 
 def test_ctrl_c_says_what_was_saved_and_its_resume_command_continues_exactly(tmp_path, corpus, straight_fsdp2):
-    """Ctrl-C on [[2, 1]] (SIGINT to rank 0, the process the user started; Lightning's launcher then ends the other
-    ranks): Lightning's exit 1, and one paragraph naming the newest checkpoint and the command that resumes from it;
-    that command, run as printed, continues with the uninterrupted run's losses. (A terminal signals every rank;
-    rank 1 then ends on its own, and the harness, which ends a job at its first failing rank, could end rank 0 before
-    it speaks: by hand, with every rank signalled through the real launcher, the paragraph is printed.)"""
-    ckpt = tmp_path / "ckpt"
-    save = checkpoint_every(ckpt, 4, last=True)
-    with training_in_background(
-        tmp_path, corpus, tmp_path / "first", *FSDP2, save, until=ckpt / "epoch=0-step=4.ckpt"
-    ) as job:
-        # Again until it ends, as a user presses Ctrl-C again: Python drops a KeyboardInterrupt raised inside a
-        # finalizer ("Exception ignored in: <finalize object>"); once Lightning handles one, it ignores the rest.
-        deadline = time.time() + 120
-        while job.poll() is None and time.time() < deadline:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(job.ranks()[0], signal.SIGINT)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                job.wait(timeout=1)
-    assert job.returncode == 1, job.stderr()[-3000:]
-    said = next(line for line in job.stderr().splitlines() if line.startswith("Interrupted at step "))
-    assert f"The newest checkpoint is {ckpt / 'last.ckpt'} (step " in said
+    """Ctrl-C on [[2, 1]] (SIGINT to every process of the job, as a terminal sends it): the ranks agree on a step, save
+    it as `last.ckpt` (the step being trained: nothing lost) and exit 130, with no traceback and no C++ warning about
+    collectives left in flight; rank 0 says once what was saved and the command that resumes from it. That command,
+    run as printed, continues with the uninterrupted run's losses in the same run's directories: its ModelCheckpoint,
+    given no dirpath, saves under the logger's version directory, where the resume logs on (one version directory, no
+    "dirpath has changed" warning, the CSV holding every step once, in order)."""
+    logs = tmp_path / "first"
+    ckpt = logs / "hybrid" / "version_0" / "checkpoints"
+    save = callback("lightning.pytorch.callbacks.ModelCheckpoint", every_n_train_steps=4, save_last=True)
+    with training_in_background(tmp_path, corpus, logs, *FSDP2, save, until=ckpt / "epoch=0-step=4.ckpt") as job:
+        os.killpg(job.pid, signal.SIGINT)
+        job.wait(timeout=120)
+    stderr = job.stderr()
+    assert job.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "unwaited" not in stderr, stderr[-3000:]
+    (said,) = [line for line in stderr.splitlines() if line.startswith("Interrupted at step ")]
+    stopped_at = max(step_losses(logs))  # the last step logged
+    assert stopped_at < STEPS - 1
+    assert said.startswith(f"Interrupted at step {stopped_at + 1}, which is saved: {ckpt / 'last.ckpt'};"), said
+    assert torch.load(ckpt / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == stopped_at + 1
     command = shlex.split(said.partition("resume from it with: ")[2])
     assert command[0] == "parallelkit" and command[-1] == "--ckpt_path=last"
     proc = parallelkit(*command[1:], cwd=tmp_path)
     assert_ok(proc)
     assert "not resumable" not in proc.stderr  # Lightning's warning for a loader it cannot resume mid-epoch
-    resumed = step_losses(tmp_path / "first")  # the resumed run's log: the newest under the same save_dir
-    assert min(resumed) % 4 == 0 and max(resumed) == STEPS - 1
-    assert_same_losses({s: straight_fsdp2[s] for s in resumed}, resumed, rtol=1e-6)
+    assert "dirpath has changed" not in proc.stderr and "exists and is not empty" not in proc.stderr, proc.stderr
+    assert [p.name for p in (logs / "hybrid").iterdir()] == ["version_0"]
+    with open(logs / "hybrid" / "version_0" / "metrics.csv", newline="") as file:
+        logged = [int(row["step"]) for row in csv.DictReader(file) if row["train_loss"]]
+    assert logged == list(range(STEPS))  # the saving run's steps, then the resumed run's from the next one
+    assert_same_losses(straight_fsdp2, step_losses(logs), rtol=1e-6)
+
+
+def test_a_second_ctrl_c_quits_at_once_without_saving(tmp_path, corpus):
+    """Ctrl-C twice on [[2, 1]] while rank 1 is stuck (`models.HangAt`: asleep as step 5 starts, rank 0 waiting for it
+    in a collective, where Python never sees a signal): the first only asks for the step to be saved at its end,
+    which never comes; the second ends every process at once with 130, without a traceback. Nothing more is saved:
+    `last.ckpt` is still step 4's."""
+    ckpt = tmp_path / "ckpt"
+    hang = callback("models.HangAt", rank=1, step=5)
+    with training_in_background(
+        tmp_path,
+        corpus,
+        tmp_path / "first",
+        *FSDP2,
+        checkpoint_every(ckpt, 4, last=True),
+        hang,
+        until=ckpt / "epoch=0-step=4.ckpt",
+    ) as job:
+        os.killpg(job.pid, signal.SIGINT)
+        time.sleep(2.0)  # a second press, not the same one delivered twice (a terminal's and torchrun's)
+        os.killpg(job.pid, signal.SIGINT)
+        job.wait(timeout=60)
+    stderr = job.stderr()
+    assert job.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "unwaited" not in stderr, stderr[-3000:]
+    assert [line for line in stderr.splitlines() if line.startswith("parallelkit: Ctrl-C again:")] == [
+        "parallelkit: Ctrl-C again: quit without saving the step being trained (a checkpoint being written stays "
+        "`.partial`, which is never read)."
+    ]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=4.ckpt", "last.ckpt"]
+    assert torch.load(ckpt / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 4
+
+
+def test_ctrl_c_while_the_ranks_start_ends_the_job_with_one_line(tmp_path, corpus):
+    """Ctrl-C (SIGINT to every process of a [[2, 1]] job) as Lightning's launcher has just started rank 1: rank 0 waits
+    for it in the process group's rendezvous (in C++, where Python never sees a signal), rank 1 is still reading its
+    command line. The job ends with 130 and one line from rank 0, saying nothing was trained or saved: no traceback
+    (there was one per rank, and an exit 137), no log of a step, no checkpoint."""
+    logs = tmp_path / "first"
+    args = [
+        "fit",
+        "--config",
+        str(REPO / "configs" / "hybrid.yaml"),
+        *common(corpus, tmp_path / "cache"),
+        f"--trainer.logger.init_args.save_dir={logs}",
+        "--trainer.enable_progress_bar=false",
+        *FSDP2,
+    ]
+    job = launch(args, cwd=tmp_path)
+    try:
+        deadline = time.time() + 120
+        while len(job.ranks()) < 2:
+            assert job.poll() is None and time.time() < deadline, job.stderr()[-3000:]
+            time.sleep(0.01)
+        time.sleep(0.1)  # rank 1 past its first instructions (a fresh interpreter's own start would print a traceback)
+        os.killpg(job.pid, signal.SIGINT)
+        job.wait(timeout=60)
+    finally:
+        if job.poll() is None:
+            job.kill()
+    stderr = job.stderr()
+    assert job.returncode == 130, stderr[-3000:]
+    assert "Traceback" not in stderr and "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    said = [line for line in stderr.splitlines() if "nterrupt" in line]
+    assert said == ["parallelkit: interrupted before training started: nothing was trained or saved."], stderr
+    assert not list(logs.rglob("metrics.csv")) and not list(logs.rglob("*.ckpt"))
+
+
+def test_the_progress_bar_of_a_resumed_run_counts_to_the_end_of_its_epoch():
+    """The bar counts the batch index in the epoch, which a run resumed mid-epoch continues: its total is the epoch's
+    batches up to `max_steps`, from the epoch's first batch. Lightning's counted the steps left from where the run
+    started (a run resumed at step 51 of 200 showed 200/149), and steps as batches under gradient accumulation."""
+    from types import SimpleNamespace
+
+    from parallelkit.callbacks.display import ProgressBar
+
+    def total(batches: int, max_steps: int, step: int, done: int, accumulate: int = 1) -> int:
+        bar = ProgressBar()
+        progress = SimpleNamespace(current=SimpleNamespace(processed=done))
+        bar._trainer = SimpleNamespace(  # what the bar reads of a fit bounded by max_steps (max_epochs=-1)
+            num_training_batches=batches,
+            max_epochs=-1,
+            max_steps=max_steps,
+            global_step=step,
+            accumulate_grad_batches=accumulate,
+            fit_loop=SimpleNamespace(epoch_loop=SimpleNamespace(batch_progress=progress)),
+        )
+        return bar.total_train_batches
+
+    assert total(batches=300, max_steps=200, step=0, done=0) == 200  # a fresh run
+    assert total(batches=300, max_steps=200, step=52, done=52) == 200  # resumed at step 51, its first batch done
+    assert total(batches=150, max_steps=200, step=52, done=52) == 150  # the epoch ends first
+    assert total(batches=300, max_steps=200, step=160, done=10) == 50  # a later epoch, begun at step 150
+    assert total(batches=500, max_steps=100, step=51, done=103, accumulate=2) == 200  # half-way through a step
 
 
 def test_sigterm_under_ddp_comm_saves_last_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus, ddp_fp32):

@@ -22,6 +22,21 @@ class ProgressBar(RichProgressBar):
             description = description.replace(f"/{self.trainer.max_epochs - 1}", "")
         return description
 
+    @property
+    @override
+    def total_train_batches(self) -> int | float:
+        """The epoch's batches, bounded by `max_steps` counted from the epoch's first batch: the bar counts the
+        batch index in the epoch, which a resumed run continues, while Lightning bounds it by the steps left from
+        where the run started (a run resumed at step 51 of 200 showed 200/149) and counts them as batches (a bar of
+        steps, not batches, under gradient accumulation)."""
+        trainer = self.trainer
+        total = trainer.num_training_batches
+        if trainer.max_epochs == -1 and trainer.max_steps is not None and trainer.max_steps > 0:
+            accumulate = trainer.accumulate_grad_batches
+            done = trainer.fit_loop.epoch_loop.batch_progress.current.processed  # this epoch's, the resumed included
+            total = min(total, done - done % accumulate + (trainer.max_steps - trainer.global_step) * accumulate)
+        return total
+
     @override
     def get_metrics(self, trainer: Any, pl_module: Any) -> dict[str, Any]:
         # The logger's version, which the rich bar formats as a float ("v_num: 0.000"): the run's directory says it.

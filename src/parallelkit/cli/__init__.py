@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import importlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -47,6 +48,10 @@ TOOLS = {
 """Each tool's command: its module in this package and its function, imported when the tool is run."""
 
 
+RUNS = ("fit", "validate", "test", "predict")
+"""LightningCLI's subcommands: the ones that launch ranks."""
+
+
 def tool(name: str) -> Callable[[Sequence[str]], int]:
     """The function that runs the tool `name` (its module imported now)."""
     module, _, function = TOOLS[name].partition(":")
@@ -71,9 +76,14 @@ def report(err: ParallelkitError, launcher_pid: int) -> None:
 
 
 def global_rank() -> int:
-    """This process's global rank as Lightning knows it (0 where Lightning was never loaded: a tool's process)."""
+    """This process's global rank as Lightning knows it; before Lightning is loaded, as Lightning will read it from
+    the launcher's variables (0 in the process the user started, and in a tool's)."""
     utilities = sys.modules.get("lightning.pytorch.utilities")
-    return getattr(getattr(utilities, "rank_zero_only", None), "rank", 0) or 0
+    rank = getattr(getattr(utilities, "rank_zero_only", None), "rank", None)
+    if rank is None:
+        variables = ("RANK", "LOCAL_RANK", "SLURM_PROCID", "JSM_NAMESPACE_RANK")
+        rank = next((os.environ[name] for name in variables if name in os.environ), 0)
+    return int(rank or 0)
 
 
 def rank_zero_ended(launcher_pid: int) -> bool:
@@ -83,6 +93,13 @@ def rank_zero_ended(launcher_pid: int) -> bool:
     while os.getppid() == launcher_pid and time.monotonic() < deadline:
         time.sleep(0.1)
     return os.getppid() != launcher_pid
+
+
+def interrupted_before(subcommand: str) -> str:
+    """What rank 0 says when Ctrl-C stops `subcommand` before it has anything to keep."""
+    if subcommand == "fit":
+        return "parallelkit: interrupted before training started: nothing was trained or saved."
+    return f"parallelkit: {subcommand} interrupted."
 
 
 def _config_files(args: Sequence[str]) -> list[str]:
@@ -97,12 +114,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     """Entry point of the `parallelkit` console script."""
     args = list(sys.argv[1:] if argv is None else argv)
     launcher_pid = os.getppid()
+    run = args[0] if args and args[0] in RUNS else None
+    interrupted, armed = 128 + signal.SIGINT, False
     quiet_known_noise()  # before a tool or a model imports transformers, which imports torchao
     try:
         if args and args[0] in TOOLS:
             sys.exit(tool(args[0])(args[1:]))
         if not args or args[0] in ("-h", "--help"):
             print(TOOLS_HELP)
+        if run is not None:
+            from parallelkit.callbacks.preemption import CTRL_C
+
+            CTRL_C.arm(interrupted_before(run))  # Ctrl-C: saves what training did, or ends at once before it
+            armed = True
         for path in _config_files(args):
             read_config(path)  # jsonargparse's YAML errors do not name the file
         from parallelkit import plugins
@@ -111,6 +135,21 @@ def main(argv: Sequence[str] | None = None) -> None:
         plugins.activate()  # strategies registered and known noise quieted before any model is built
         # Lightning re-runs sys.argv for ranks 1..N-1, so the arguments must come from there unchanged.
         ParallelkitCLI(args=None if argv is None else args)
+    except KeyboardInterrupt:
+        if run is None or armed:  # a tool's, or Lightning's own handling let it through
+            raise
+        # Ctrl-C before CTRL_C was armed (while Python loaded torch and Lightning), handled as CTRL_C would have.
+        if global_rank():
+            rank_zero_ended(launcher_pid)
+        else:
+            print(interrupted_before(run), file=sys.stderr, flush=True)
+        sys.exit(interrupted)
+    except SystemExit as stop:
+        if stop.code == interrupted and global_rank():
+            # Interrupted: rank 0 speaks for the job, and a launcher that saw this rank end first would end rank 0
+            # before it has (Lightning's SIGKILLs it).
+            rank_zero_ended(launcher_pid)
+        raise
     except Exception as err:
         # jsonargparse raises a constructor's error (a model's or datamodule's argument check) from its own.
         cause: BaseException | None = err

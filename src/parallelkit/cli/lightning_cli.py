@@ -184,6 +184,12 @@ class ParallelkitCLI(LightningCLI):
                 "load. Resume it with a parallelkit strategy (one process too: --trainer.strategy=fsdp_tp "
                 "--trainer.devices=1), or take its weights with: parallelkit consolidate CKPT_DIR OUT.pt"
             )
+        from parallelkit.callbacks.preemption import CTRL_C
+        from parallelkit.loggers import continue_logged_run
+
+        CTRL_C.trainer = self.trainer  # Ctrl-C before training also ends the ranks this process's launcher starts
+        if self.subcommand == "fit":
+            continue_logged_run(self.trainer, ckpt_path)  # a resume logs on in the saving run's version directory
 
     before_fit = before_validate = before_test = before_predict = _before_launch
 

@@ -1,5 +1,6 @@
 """Lightning's private names: its strategies' process-group setup and mesh, the fit loop's switches, its
-SIGTERM flag, ModelCheckpoint's saves, ThroughputMonitor's meters, the strategy registry and LightningCLI's parser."""
+SIGTERM flag, ModelCheckpoint's saves, ThroughputMonitor's meters, the loggers' versions, the strategy registry and
+LightningCLI's parser."""
 
 from __future__ import annotations
 
@@ -133,6 +134,18 @@ def last_checkpoints(callback: Any, trainer: L.Trainer) -> set[str]:
 def last_step_saved(callback: Any) -> int:
     """The global step of a ModelCheckpoint's newest save this run (0 before any)."""
     return callback._last_global_step_saved
+
+
+def logger_version(logger: Any) -> int | str | None:
+    """The version a CSV or TensorBoard logger was given or has chosen so far, without choosing one (its `version`
+    property picks the next free directory when first read), from Lightning's `_version`."""
+    return logger._version
+
+
+def set_logger_version(logger: Any, version: int | str) -> None:
+    """Give a CSV or TensorBoard logger the version (its directory under `root_dir`) its `version` argument would
+    have, before it has chosen one."""
+    logger._version = version
 
 
 def parser_keys(parser: Any, subcommand: str | None) -> list[str]:
