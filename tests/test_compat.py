@@ -85,12 +85,13 @@ def test_private_attributes_exist_on_the_objects_that_hold_them():
     optimizer = torch.optim.SGD(torch.nn.Linear(1, 1).parameters())
     torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
     assert optimizer.step._wrapped_by_lr_sched  # compat.keep_scheduler_mark
+    # compat.logger_version, compat.set_logger_version (TensorBoard's logger keeps `_version` as CSV's, set by Lightning
+    # Fabric's, but needs tensorboard installed to be built)
+    from lightning.fabric.loggers import TensorBoardLogger as FabricTensorBoardLogger
     from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
-    # compat.logger_version, compat.set_logger_version (TensorBoard's logger keeps `_version` as CSV's, but needs
-    # tensorboard installed to be built)
-    fabric_logger = TensorBoardLogger.__mro__[1]  # Lightning Fabric's, which sets it
-    assert "self._version = version" in inspect.getsource(fabric_logger.__init__), fabric_logger
+    assert issubclass(TensorBoardLogger, FabricTensorBoardLogger)
+    assert "self._version = version" in inspect.getsource(FabricTensorBoardLogger.__init__)
     logger = CSVLogger("runs", version=3)
     assert compat.logger_version(CSVLogger("runs")) is None and compat.logger_version(logger) == 3
     compat.set_logger_version(logger, 5)
