@@ -597,3 +597,31 @@ class HangAt(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_rank == self.rank and trainer.global_step == self.step:
             time.sleep(self.seconds)
+
+
+class StateDigest(L.Callback):
+    """Writes, at fit end, a digest of each rank's local shards of the parameters and of the optimizer's state (its
+    tensors, in order): ranks that hold the same shards in different jobs (replica groups) compare them bit for bit."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module):
+        import hashlib
+
+        def digest(tensors) -> str:
+            h = hashlib.sha256()
+            for t in tensors:
+                t = t.to_local() if isinstance(t, DTensor) else t
+                h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+            return h.hexdigest()
+
+        states = [s for o in trainer.optimizers for s in o.state.values()]
+        parts = {
+            "params": digest(pl_module.parameters()),
+            "optimizer": digest(v for s in states for _, v in sorted(s.items()) if isinstance(v, torch.Tensor)),
+            "optimized": len(states),
+        }
+        os.makedirs(self.out_dir, exist_ok=True)
+        with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(parts, f)

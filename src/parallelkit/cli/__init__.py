@@ -1,6 +1,6 @@
 """The `parallelkit` command: LightningCLI's fit/validate/test/predict (`lightning_cli`), plus the tools, one module
-each (`env`, `plugins`, `consolidate`, `export_hf`, `plan`, `check`), imported when named: a tool that needs no
-Lightning does not load it.
+each (`env`, `plugins`, `consolidate`, `export_hf`, `plan`, `check`, `lighthouse`), imported when named: a tool that
+needs no Lightning does not load it.
 
 parallelkit fit --config configs/ddp.yaml --trainer.max_steps=20
 parallelkit env --mesh '[[2, 2], ["fsdp", "tp"]]' --devices 4
@@ -35,6 +35,8 @@ tools (no model, no training):
   parallelkit check --config RUN.yaml          launched as fit: every rank's device and versions, collectives per
                                                mesh axis with deadlines (--dry-run --nodes N --devices-per-node G:
                                                the real plan applied in one process with a fake process group)
+  parallelkit lighthouse [--port 29510 --min-groups 1]
+                                               torchft's lighthouse, which replica groups ask for each step's quorum
 """
 
 TOOLS = {
@@ -44,6 +46,7 @@ TOOLS = {
     "export-hf": "export_hf:export_hf_command",
     "plan": "plan:plan_command",
     "check": "check:check_command",
+    "lighthouse": "lighthouse:lighthouse_command",
 }
 """Each tool's command: its module in this package and its function, imported when the tool is run."""
 

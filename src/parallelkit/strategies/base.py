@@ -51,6 +51,7 @@ from parallelkit.mesh import AXES, MeshSpec
 from parallelkit.parallel import DataParallelWrap, ResolvedPlan, data_parallel_wrap, resolve
 from parallelkit.parallel.compile import compile_backends, cpp_compiler
 from parallelkit.parallel.context_parallel import SequenceSplit
+from parallelkit.parallel.replica_groups import ReplicaGroups
 from parallelkit.strategies.precision import ShardedPrecision
 from parallelkit.strategies.steps import ParallelSteps
 
@@ -110,6 +111,9 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
             allocate only this rank's shards after sharding, so no process ever holds the whole model. Weights
             equal an eager build's from the same seed (`parallelkit.init`); the model must initialise through
             `reset_parameters()` of its modules and/or its own `init_weights()`.
+        replica_groups: This job is one of several replica groups, launched separately, that train as one
+            data-parallel job through torchft (`parallelkit.parallel.ReplicaGroups`: this group's index, their
+            number, the lighthouse); the mesh is this group's own.
     """
 
     required_axes: tuple[str, ...] = ("fsdp", "tp")
@@ -133,6 +137,7 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
         meta_init: bool = False,
         async_checkpoint: bool = False,
         cp_method: str = "allgather",
+        replica_groups: ReplicaGroups | None = None,
     ) -> None:
         super().__init__(
             save_distributed_checkpoint=save_distributed_checkpoint,
@@ -157,6 +162,7 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
         self.meta_init = meta_init
         self.async_checkpoint = async_checkpoint
         self.cp_method = cp_method
+        self.replica_groups = replica_groups
         self.collective_timeout = timeout if isinstance(timeout, timedelta) else timedelta(seconds=timeout)
 
     # -- configuration, checked in the launching process before any worker starts --------------------------
@@ -227,6 +233,8 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
                 "and inside a checkpointed block torch cannot break the graph there (it would train uncompiled). Fix: "
                 "one of compile or activation_checkpointing."
             )
+        if self.replica_groups is not None:
+            self.replica_groups.check(self.mesh_spec)
         if self.loss_parallel and tp == 1:
             raise ConfigError(
                 f"loss_parallel=True needs a tp axis larger than 1, but mesh_shape is {self.mesh_spec}. "
@@ -322,11 +330,6 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
                 self.use_mesh(planned)
         # The escape hatch: a model that overrides configure_model() parallelises itself with this mesh.
         set_device_mesh(self, self.mesh_spec.build(self.root_device.type, self.collective_timeout))
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.mesh_spec.dp_size, "rank": self.mesh_spec.dp_rank(self.global_rank)}
 
     @override
     def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
@@ -437,6 +440,7 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
         # The rest as any Lightning strategy does it (precision, device, optimizers). Not ModelParallelStrategy's
         # setup: it insists on a configure_model() and materialises meta tensors its own way.
         Strategy.setup(self, trainer)
+        self.join_replica_groups()
 
     @override
     def model_to_device(self) -> None:

@@ -21,6 +21,7 @@ from parallelkit.compat import run_as_forward
 from parallelkit.grad_norm import settle_gradients
 from parallelkit.optim import compile_step, mixes_plain_and_dtensors, replicate_plain_tensors
 from parallelkit.parallel.context_parallel import SequenceSplit, split_batch
+from parallelkit.parallel.replica_groups import CommitGate, ReplicaGroup
 
 
 class ParallelSteps:
@@ -120,3 +121,74 @@ class ParallelSteps:
     def post_backward(self, closure_loss: torch.Tensor) -> None:
         if self.data_parallel.settle_gradients and not self._accumulating:
             settle_gradients(self.model)
+
+    # -- replica groups (`parallelkit.parallel.replica_groups`): data parallelism across separately launched groups --
+    replica_group: ReplicaGroup | None = None
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """This rank's share of each global batch: among the mesh's data-parallel ranks, and under replica groups
+        among every group's (group g's ranks take the shares after those of groups 0..g-1)."""
+        spec, groups = self.mesh_spec, self.replica_groups
+        size, rank = spec.dp_size, spec.dp_rank(self.global_rank)
+        if groups is not None:
+            size, rank = size * groups.num_groups, groups.group * size + rank
+        return {"num_replicas": size, "rank": rank}
+
+    def join_replica_groups(self) -> None:
+        """Under `replica_groups`, this rank's torchft manager, once the process group inside the group exists: the
+        state a returning group copies is the model's and the optimizers' (each rank's own shards)."""
+        if self.replica_groups is None:
+            return
+        self.replica_group = ReplicaGroup(self.replica_groups, self.global_rank, self.world_size, _GroupState(self))
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self.replica_group is not None and batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0:
+            self.replica_group.start_step()  # the quorum forms while the step's forward runs
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
+        """Under replica groups: the closure's gradients averaged across the step's groups before the loop clips
+        them, and the optimizer stepped only if the step commits (`CommitGate`); what the quorum was, logged."""
+        group = self.replica_group
+        if group is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        trained = [p for p in self.model.parameters() if p.requires_grad]
+
+        def averaged() -> Any:
+            result = closure()
+            group.average_gradients(trained)
+            return result
+
+        result = super().optimizer_step(CommitGate(optimizer, group), averaged, model, **kwargs)
+        self.lightning_module.log_dict(group.metrics(), on_step=True, on_epoch=False)
+        return result
+
+    @override
+    def teardown(self) -> None:
+        if self.replica_group is not None:
+            self.replica_group.shutdown()
+            self.replica_group = None
+        super().teardown()
+
+
+class _GroupState:
+    """What a returning replica group copies from a healthy one (torchft's `state_dict`/`load_state_dict`): this
+    rank's shards of the model and the optimizers' states."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.strategy.model.state_dict(),
+            "optimizers": [optimizer.state_dict() for optimizer in self.strategy.optimizers],
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.strategy.model.load_state_dict(state["model"])
+        for optimizer, saved in zip(self.strategy.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(saved)

@@ -1,0 +1,167 @@
+"""Replica groups: data parallelism across separately launched groups of processes, through torchft.
+
+Each replica group is a job of its own (its own launch, its own process group and mesh inside it, e.g.
+`[[2], ["fsdp"]]`); the groups hold the same model and take different rows of the data. What crosses groups goes
+through torchft's `Manager` only: every optimizer step starts with a quorum (which groups take part, asked of the
+lighthouse), the gradients each rank holds are averaged with the same rank of every other participating group, and
+the optimizer steps only when the step commits (every participating group finished it). torchft drops a group
+that stops answering from the next quorum and lets one that comes back copy a healthy peer's state.
+
+What works today: the groups train as one data-parallel job, equal to one process (fp32) when none fails; each
+step's quorum size, the committed step and whether it committed are logged. What does not yet: a step that fails to
+commit is skipped, not retried with the same rows; healing a returning group is torchft's own (untested here).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from parallelkit.errors import ConfigError
+
+LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"
+"""The environment variable torchft reads the lighthouse's address from when none is given."""
+
+
+@dataclass(frozen=True)
+class ReplicaGroups:
+    """Fault-tolerant data parallelism across replica groups launched separately (torchft: `pip install
+    'parallelkit[ft]'`).
+
+    Args:
+        group: This group's index, 0 to num_groups - 1: which share of each global batch it trains.
+        num_groups: The groups of the whole job; the global batch is divided among them.
+        lighthouse: The lighthouse's address (`http://HOST:PORT`, from `parallelkit lighthouse`); default:
+            $TORCHFT_LIGHTHOUSE.
+        min_groups: The fewest groups a step commits with.
+        timeout: Seconds a cross-group all-reduce or commit may take before the step fails.
+        quorum_timeout: Seconds the groups may take to agree on a quorum.
+        hostname: The name other groups reach this group's rank 0 by (default: this machine's).
+    """
+
+    group: int
+    num_groups: int
+    lighthouse: str | None = None
+    min_groups: int = 1
+    timeout: float = 60.0
+    quorum_timeout: float = 60.0
+    hostname: str | None = None
+
+    @property
+    def lighthouse_address(self) -> str | None:
+        return self.lighthouse or os.environ.get(LIGHTHOUSE_VARIABLE)
+
+    def check(self, mesh: Any) -> None:
+        """Refuse, before launch, what cannot work with this group's `mesh` (a `MeshSpec`): raises ConfigError
+        naming the field and the fix."""
+        if mesh.size("replicate") > 1 or mesh.size("pp") > 1 or mesh.cp_size > 1:
+            raise ConfigError(
+                f"replica_groups with mesh_shape {mesh}: the groups are the replicated axis, so a group's mesh has no "
+                "replicate axis; pipelines and cp under replica groups are not done yet. Fix: a mesh of fsdp, ep "
+                'and tp inside each group, e.g. [[2], ["fsdp"]].'
+            )
+        if self.num_groups < 1 or not 0 <= self.group < self.num_groups:
+            raise ConfigError(
+                f"replica_groups.group={self.group} with num_groups={self.num_groups}: each group's index is one of "
+                f"0..num_groups-1. Fix: launch group i of n with replica_groups.group=i, replica_groups.num_groups=n."
+            )
+        if not 1 <= self.min_groups <= self.num_groups:
+            raise ConfigError(
+                f"replica_groups.min_groups={self.min_groups} with num_groups={self.num_groups}: a step commits with "
+                "at least 1 group and at most all of them. Fix: e.g. min_groups=1 (train on while any group lives)."
+            )
+        if not self.lighthouse_address:
+            raise ConfigError(
+                "replica_groups has no lighthouse: give replica_groups.lighthouse=http://HOST:PORT or set "
+                f"${LIGHTHOUSE_VARIABLE}. Start one with: parallelkit lighthouse --min-groups 1"
+            )
+        try:
+            import torchft  # noqa: F401
+        except ImportError as err:
+            raise ConfigError(
+                f"replica_groups needs torchft, which is not installed ({err}). Fix: pip install 'parallelkit[ft]'."
+            ) from err
+
+
+class ReplicaGroup:
+    """This rank's part in the replica groups: torchft's `Manager` for the process group inside this group (built
+    once that exists), asked for a quorum at each optimizer step's start (`start_step`), for the average of the
+    gradients across groups (`average_gradients`) and for whether the step commits (`should_commit`)."""
+
+    def __init__(self, config: ReplicaGroups, rank: int, world_size: int, state: Any) -> None:
+        from torchft.manager import Manager
+        from torchft.process_group import ProcessGroupGloo
+
+        self.config = config
+        timeout = timedelta(seconds=config.timeout)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=state.load_state_dict,
+            state_dict=state.state_dict,
+            min_replica_size=config.min_groups,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=config.quorum_timeout),
+            connect_timeout=timeout,
+            rank=rank,
+            world_size=world_size,
+            lighthouse_addr=config.lighthouse_address,
+            replica_id=f"parallelkit_group_{config.group}",
+            hostname=config.hostname or socket.gethostname(),
+            init_sync=False,  # every group draws the same weights from the seed
+        )
+        self.committed: bool | None = None
+
+    def start_step(self) -> None:
+        self.manager.start_quorum()
+
+    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Average each local gradient (a DTensor's shard) with the same rank's of every participating group: one
+        flat fp32 all-reduce (whatever the gradients' dtype, nothing is summed in bf16)."""
+        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+        if not grads:
+            return
+        flat = torch.cat([g.reshape(-1).float() for g in grads])
+        self.manager.allreduce(flat).wait()
+        offset = 0
+        for g in grads:
+            g.copy_(flat[offset : offset + g.numel()].view_as(g))
+            offset += g.numel()
+
+    def should_commit(self) -> bool:
+        self.committed = self.manager.should_commit()
+        return self.committed
+
+    def metrics(self) -> dict[str, float]:
+        """What the monitors log each step: the groups in the quorum, the committed steps, whether this one did."""
+        return {
+            "ft/participants": float(self.manager.num_participants()),
+            "ft/committed_steps": float(self.manager.current_step()),
+            "ft/committed": float(bool(self.committed)),
+        }
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+class CommitGate:
+    """The optimizer as Lightning's loop steps it, under replica groups: `step(closure)` runs the closure (forward,
+    backward, the gradients averaged across groups, clipping) and steps the optimizer only if the step commits."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, group: ReplicaGroup) -> None:
+        self.optimizer = optimizer
+        self.group = group
+
+    def step(self, closure: Any = None) -> Any:
+        result = closure() if closure is not None else None
+        if self.group.should_commit():
+            self.optimizer.step()
+        return result
+
+    def __getattr__(self, name: str) -> Any:  # param_groups, state, zero_grad, ...: the optimizer's
+        return getattr(self.optimizer, name)

@@ -1,0 +1,112 @@
+"""Replica groups (`replica_groups`, torchft): separately launched groups of processes that train as one
+data-parallel job, each step's quorum formed by a lighthouse, gradients averaged across groups by torchft's manager."""
+
+import json
+import signal
+import sys
+import time
+
+import pytest
+from snippets import parallelkit_args
+from support import (
+    REPO,
+    assert_same_losses,
+    callback,
+    common,
+    free_port,
+    in_repo,
+    launch,
+    parallelkit,
+    step_losses,
+)
+
+from parallelkit.errors import ConfigError
+from parallelkit.mesh import MeshSpec
+from parallelkit.parallel.replica_groups import ReplicaGroups
+
+GROUP_MESH = ('--trainer.strategy.mesh_shape=[[2], ["fsdp"]]', "--trainer.devices=2")
+
+
+def group_args(corpus, log, group: int, lighthouse: str) -> list[str]:
+    """The multi-node guide's group command (hybrid.yaml, [[2], ["fsdp"]] inside each group, 2 samples per process: a
+    global batch of 2 x 2 x 2 = 8, one process's baseline) as group `group`, on the suite's corpus."""
+    command = in_repo(parallelkit_args("replica-groups", 1, **{"http://HOST:29510": lighthouse}))
+    assert "--trainer.strategy.replica_groups.group=0" in command
+    command = [arg.replace("replica_groups.group=0", f"replica_groups.group={group}") for arg in command]
+    return [
+        *command,
+        *common(corpus, log / "cache"),
+        f"--trainer.logger.init_args.save_dir={log}",
+        "--trainer.enable_progress_bar=false",
+        "--trainer.enable_model_summary=false",
+        "--trainer.strategy.replica_groups.hostname=127.0.0.1",  # this machine's name may not resolve everywhere
+        "--trainer.strategy.replica_groups.timeout=30",
+        callback("models.StateDigest", out_dir=str(log / "digest")),
+    ]
+
+
+@pytest.fixture(scope="module")
+def lighthouse(tmp_path_factory):
+    """`parallelkit lighthouse` for 2 groups, as a user starts it (forked: the command is under test, not the
+    interpreter's start); ended by SIGTERM, cleanly, once the module's tests are done."""
+    command = parallelkit_args("replica-groups", 0)  # the guide's: lighthouse --port 29510 --min-groups 2
+    assert command[:3] == ["lighthouse", "--port", "29510"]
+    job = launch([*command[:2], str(free_port()), *command[3:]], cwd=tmp_path_factory.mktemp("lh"))
+    deadline = time.time() + 60
+    while not (job.directory / "stdout").exists() or "lighthouse at " not in job.stdout():
+        assert job.poll() is None and time.time() < deadline, job.stdout() + job.stderr()
+        time.sleep(0.05)
+    address = job.stdout().split()[2].rstrip(":")  # "lighthouse at http://HOST:PORT: start each group with ..."
+    yield f"http://127.0.0.1:{address.rsplit(':', 1)[1]}"  # this machine's name may not resolve on every machine
+    job.kill(signal.SIGTERM)
+    assert job.wait(timeout=30) == 0, job.stderr()
+
+
+def test_two_replica_groups_train_as_one_process_and_end_bit_identical(tmp_path, corpus, baseline, lighthouse):
+    """2 groups x [[2], ["fsdp"]], each its own launch: every step has both groups in its quorum and commits; each
+    group logs its own rows' loss, and their mean is one process's (fp32, 1e-5: each group's mean over its half of
+    the global batch); both groups end with the same parameters and AdamW state, shard by shard."""
+    jobs = [launch(group_args(corpus, tmp_path / f"group{g}", g, lighthouse), cwd=tmp_path) for g in (0, 1)]
+    for job in jobs:
+        job.wait(timeout=300)
+    for job in jobs:
+        assert job.returncode == 0, job.stderr()[-4000:]
+    logs = [tmp_path / f"group{g}" for g in (0, 1)]
+    losses = [step_losses(log) for log in logs]
+    mean = {step: (losses[0][step] + losses[1][step]) / 2 for step in losses[0]}
+    assert_same_losses(baseline("plain").losses(), mean)
+    assert losses[0][0] != losses[1][0]  # each group trained other rows
+    for log in logs:
+        assert set(step_losses(log, "ft/participants").values()) == {2.0}
+        assert list(step_losses(log, "ft/committed_steps").values()) == [float(s) for s in range(1, 21)]
+    for rank in (0, 1):
+        digests = [json.loads((log / "digest" / f"rank{rank}.json").read_text()) for log in logs]
+        assert digests[0] == digests[1] and digests[0]["optimized"] > 0, digests
+
+
+def test_what_replica_groups_cannot_take_is_refused_before_launch(tmp_path, monkeypatch):
+    """A group index outside the job's, no lighthouse, a mesh with its own replicate axis, and torchft missing: each
+    refused naming the field and the fix (the CLI: one process, before any rank starts)."""
+    mesh = MeshSpec.parse([[2], ["fsdp"]])
+    with pytest.raises(ConfigError, match=r"replica_groups.group=2 with num_groups=2: .*Fix: launch group i of n"):
+        ReplicaGroups(group=2, num_groups=2, lighthouse="http://h:1").check(mesh)
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    with pytest.raises(ConfigError, match=r"no lighthouse.*parallelkit lighthouse"):
+        ReplicaGroups(group=0, num_groups=2).check(mesh)
+    with pytest.raises(ConfigError, match=r"no replicate axis"):
+        hsdp = MeshSpec.parse([[2, 2], ["replicate", "fsdp"]])
+        ReplicaGroups(group=0, num_groups=2, lighthouse="http://h:1").check(hsdp)
+    monkeypatch.setitem(sys.modules, "torchft", None)
+    with pytest.raises(ConfigError, match=r"needs torchft.*pip install 'parallelkit\[ft\]'"):
+        ReplicaGroups(group=0, num_groups=2, lighthouse="http://h:1").check(mesh)
+    proc = parallelkit(
+        "fit",
+        "--config",
+        str(REPO / "configs" / "hybrid.yaml"),
+        *GROUP_MESH,
+        "--trainer.strategy.replica_groups.group=0",
+        "--trainer.strategy.replica_groups.num_groups=2",
+        cwd=tmp_path,
+        TORCHFT_LIGHTHOUSE="",
+    )
+    assert proc.returncode == 2 and "parallelkit: error: replica_groups has no lighthouse" in proc.stderr, proc.stderr
