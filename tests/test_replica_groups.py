@@ -85,8 +85,9 @@ def test_two_replica_groups_train_as_one_process_and_end_bit_identical(tmp_path,
 
 
 def test_what_replica_groups_cannot_take_is_refused_before_launch(tmp_path, monkeypatch):
-    """A group index outside the job's, no lighthouse, a mesh with its own replicate axis, and torchft missing: each
-    refused naming the field and the fix (the CLI: one process, before any rank starts)."""
+    """A group index outside the job's, no lighthouse, one nothing answers at, a mesh with its own replicate axis, and
+    torchft missing: each refused naming the field and the fix (the CLI, fit and check: one process, before any rank
+    starts)."""
     mesh = MeshSpec.parse([[2], ["fsdp"]])
     with pytest.raises(ConfigError, match=r"replica_groups.group=2 with num_groups=2: .*Fix: launch group i of n"):
         ReplicaGroups(group=2, num_groups=2, lighthouse="http://h:1").check(mesh)
@@ -96,6 +97,9 @@ def test_what_replica_groups_cannot_take_is_refused_before_launch(tmp_path, monk
     with pytest.raises(ConfigError, match=r"no replicate axis"):
         hsdp = MeshSpec.parse([[2, 2], ["replicate", "fsdp"]])
         ReplicaGroups(group=0, num_groups=2, lighthouse="http://h:1").check(hsdp)
+    unreachable = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(ConfigError, match=r"nothing answers there within 2 s .*parallelkit lighthouse --port"):
+        ReplicaGroups(group=0, num_groups=2, lighthouse=unreachable, timeout=2).check(mesh)
     monkeypatch.setitem(sys.modules, "torchft", None)
     with pytest.raises(ConfigError, match=r"needs torchft.*pip install 'parallelkit\[ft\]'"):
         ReplicaGroups(group=0, num_groups=2, lighthouse="http://h:1").check(mesh)
@@ -110,3 +114,20 @@ def test_what_replica_groups_cannot_take_is_refused_before_launch(tmp_path, monk
         TORCHFT_LIGHTHOUSE="",
     )
     assert proc.returncode == 2 and "parallelkit: error: replica_groups has no lighthouse" in proc.stderr, proc.stderr
+    # `parallelkit check` (here its dry run) builds the strategy as `fit` does: a lighthouse nothing answers at
+    group = ("--trainer.strategy.replica_groups.group=0", "--trainer.strategy.replica_groups.num_groups=2")
+    lighthouse = (
+        f"--trainer.strategy.replica_groups.lighthouse={unreachable}",
+        "--trainer.strategy.replica_groups.timeout=2",
+    )
+    proc = parallelkit(
+        "check",
+        "--dry-run",
+        "--config",
+        str(REPO / "configs" / "hybrid.yaml"),
+        *GROUP_MESH,
+        *group,
+        *lighthouse,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2 and f"lighthouse={unreachable}: nothing answers there" in proc.stderr, proc.stderr

@@ -19,6 +19,7 @@ import socket
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -86,6 +87,29 @@ class ReplicaGroups:
         except ImportError as err:
             raise ConfigError(
                 f"replica_groups needs torchft, which is not installed ({err}). Fix: pip install 'parallelkit[ft]'."
+            ) from err
+        self.check_lighthouse()
+
+    def check_lighthouse(self) -> None:
+        """Refuse a lighthouse address nothing answers at within `timeout` (a TCP connection; torchft's manager
+        would fail inside the first rank's setup, the other ranks then failing in C++)."""
+        address = self.lighthouse_address
+        url = urlsplit(address if "://" in address else f"http://{address}")
+        try:
+            host, port = url.hostname, url.port
+        except ValueError:
+            host = port = None
+        if not host or not port:
+            raise ConfigError(
+                f"replica_groups.lighthouse={address!r} is not an address: give http://HOST:PORT, as `parallelkit "
+                "lighthouse` prints it."
+            )
+        try:
+            socket.create_connection((host, port), timeout=self.timeout).close()
+        except OSError as err:
+            raise ConfigError(
+                f"replica_groups.lighthouse={address}: nothing answers there within {self.timeout:g} s ({err}). Fix: "
+                f"start it first (parallelkit lighthouse --port {port}), or give the address it printed."
             ) from err
 
 

@@ -164,7 +164,9 @@ class ParallelSteps:
             return result
 
         result = super().optimizer_step(CommitGate(optimizer, group), averaged, model, **kwargs)
-        self.lightning_module.log_dict(group.metrics(), on_step=True, on_epoch=False)
+        metrics, module = group.metrics(), self.lightning_module
+        module.log("ft/participants", metrics.pop("ft/participants"), on_step=True, on_epoch=False, prog_bar=True)
+        module.log_dict(metrics, on_step=True, on_epoch=False)
         return result
 
     @override
