@@ -625,3 +625,40 @@ class StateDigest(L.Callback):
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(parts, f)
+
+
+class KillGroupAt(L.Callback):
+    """SIGKILLs every process of this job (its process group: a replica group's launch) from rank 0 at step `step`:
+    as it starts (`between_steps`: before this group asks for the step's quorum) or right after its backward
+    (`inside_the_all_reduce`: the other groups meet a peer gone from the gradients' all-reduce)."""
+
+    def __init__(self, step: int, when: str) -> None:
+        self.step, self.when = step, when
+
+    def _kill(self, trainer, when: str) -> None:
+        if trainer.global_step == self.step and trainer.global_rank == 0 and self.when == when:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self._kill(trainer, "between_steps")
+
+    def on_after_backward(self, trainer, pl_module) -> None:
+        self._kill(trainer, "inside_the_all_reduce")
+
+
+class StartTogether(L.Callback):
+    """Holds rank 0 of each of `count` jobs at the start of training until every one has got there (a file each in
+    `directory`): replica groups launched together, each heartbeating to the lighthouse before any asks it for a
+    quorum (one alone would form its first quorum by itself, the other then joining later)."""
+
+    def __init__(self, directory: str, count: int) -> None:
+        self.directory, self.count = Path(directory), count
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank != 0:
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        (self.directory / str(os.getpid())).touch()
+        deadline = time.monotonic() + 120
+        while len(list(self.directory.iterdir())) < self.count and time.monotonic() < deadline:
+            time.sleep(0.02)

@@ -7,9 +7,10 @@ lighthouse), the gradients each rank holds are averaged with the same rank of ev
 the optimizer steps only when the step commits (every participating group finished it). torchft drops a group
 that stops answering from the next quorum and lets one that comes back copy a healthy peer's state.
 
-What works today: the groups train as one data-parallel job, equal to one process (fp32) when none fails; each
-step's quorum size, the committed step and whether it committed are logged. What does not yet: a step that fails to
-commit is skipped, not retried with the same rows; healing a returning group is torchft's own (untested here).
+What works today: the groups train as one data-parallel job, equal to one process (fp32) when none fails; a group
+that dies leaves the others training, a step it broke tried again on the same batch (`CommitGate`); each step's
+quorum size, committed steps and retries are logged. What does not yet: a group that comes back copies the model and
+optimizer (torchft's heal, untested here) but not Lightning's step count or data position.
 """
 
 from __future__ import annotations
@@ -24,10 +25,17 @@ from urllib.parse import urlsplit
 import torch
 from torch.distributed.tensor import DTensor
 
-from parallelkit.errors import ConfigError
+from parallelkit.errors import ConfigError, ParallelkitError
+
+MAX_RETRIES = 10
+"""How many times in a row a step that fails to commit is tried again before the run fails."""
 
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"
 """The environment variable torchft reads the lighthouse's address from when none is given."""
+
+
+class ReplicaGroupError(ParallelkitError):
+    """A replica group cannot go on: its step keeps failing to commit."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +98,15 @@ class ReplicaGroups:
             ) from err
         self.check_lighthouse()
 
+    def check_accumulation(self, accumulate_grad_batches: int) -> None:
+        """Refuse gradient accumulation: a step that fails to commit is tried again on its last micro-batch only."""
+        if accumulate_grad_batches > 1:
+            raise ConfigError(
+                f"replica_groups with trainer.accumulate_grad_batches={accumulate_grad_batches}: a step that fails to "
+                "commit is tried again on its batch, which accumulation spreads over micro-batches already gone; "
+                "not done yet. Fix: accumulate_grad_batches=1 with a larger data.batch_size, or more groups."
+            )
+
     def check_lighthouse(self) -> None:
         """Refuse a lighthouse address nothing answers at within `timeout` (a TCP connection; torchft's manager
         would fail inside the first rank's setup, the other ranks then failing in C++)."""
@@ -140,6 +157,7 @@ class ReplicaGroup:
             init_sync=False,  # every group draws the same weights from the seed
         )
         self.committed: bool | None = None
+        self.retries = 0  # steps tried again since the run started
 
     def start_step(self) -> None:
         self.manager.start_quorum()
@@ -161,12 +179,22 @@ class ReplicaGroup:
         self.committed = self.manager.should_commit()
         return self.committed
 
+    def retry(self) -> None:
+        """Start the next try of a step that did not commit: a new quorum, without the groups that failed."""
+        self.retries += 1
+        self.manager.start_quorum()
+
+    @property
+    def committed_steps(self) -> int:
+        return self.manager.current_step()
+
     def metrics(self) -> dict[str, float]:
         """What the monitors log each step: the groups in the quorum, the committed steps, whether this one did."""
         return {
             "ft/participants": float(self.manager.num_participants()),
             "ft/committed_steps": float(self.manager.current_step()),
             "ft/committed": float(bool(self.committed)),
+            "ft/retries": float(self.retries),
         }
 
     def shutdown(self) -> None:
@@ -182,10 +210,21 @@ class CommitGate:
         self.group = group
 
     def step(self, closure: Any = None) -> Any:
-        result = closure() if closure is not None else None
-        if self.group.should_commit():
-            self.optimizer.step()
-        return result
+        """A step that does not commit (a group failed during it) is tried again on the same batch, with the groups
+        of a new quorum: Lightning's step count, the learning-rate schedule and the data position only move on a
+        committed step. Up to `MAX_RETRIES` tries in a row, then the run fails naming the step."""
+        for _ in range(MAX_RETRIES + 1):
+            result = closure() if closure is not None else None
+            if self.group.should_commit():
+                self.optimizer.step()
+                return result
+            self.group.retry()
+        raise ReplicaGroupError(
+            f"replica group {self.group.config.group}: the step after committed step {self.group.committed_steps} "
+            f"failed to commit {MAX_RETRIES + 1} times in a row (a group failing in each try, or fewer than "
+            f"min_groups={self.group.config.min_groups} groups left). Fix: the groups' and the lighthouse's logs say "
+            "which failed; relaunch from the last checkpoint."
+        )
 
     def __getattr__(self, name: str) -> Any:  # param_groups, state, zero_grad, ...: the optimizer's
         return getattr(self.optimizer, name)
