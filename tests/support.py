@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import csv
+import importlib
 import json
 import os
 import random
@@ -26,6 +27,20 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TESTS = Path(__file__).resolve().parent
 SCRIPTS = TESTS / "scripts"
+
+
+def import_dotted(dotted: str) -> object:
+    """What a dotted name names, as mkdocstrings finds it: the longest importable module, then attributes."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            found = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            found = getattr(found, part)
+        return found
+    raise ImportError(dotted)
 
 
 def free_port() -> int:

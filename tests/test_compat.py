@@ -14,26 +14,11 @@ import pytest
 import torch
 from lightning.pytorch.callbacks import ModelCheckpoint, ThroughputMonitor
 from lightning.pytorch.strategies import ModelParallelStrategy
-from support import REPO
+from support import REPO, import_dotted
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from parallelkit import compat
-
-
-def resolve(dotted: str):
-    """The object at a dotted path: a module, then attributes."""
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            obj = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for part in parts[cut:]:
-            obj = getattr(obj, part)
-        return obj
-    raise ImportError(dotted)
-
 
 CALLABLES = {
     "lightning.fabric.utilities.distributed._destroy_dist_connection": "()",
@@ -62,7 +47,7 @@ def parameters(function) -> str:
 
 @pytest.mark.parametrize("dotted", sorted(CALLABLES))
 def test_private_callable_exists_with_the_signature_used(dotted):
-    assert parameters(resolve(dotted)) == CALLABLES[dotted], f"{dotted} changed; parallelkit.compat relies on it"
+    assert parameters(import_dotted(dotted)) == CALLABLES[dotted], f"{dotted} changed; parallelkit.compat relies on it"
 
 
 def test_private_attributes_exist_on_the_objects_that_hold_them():

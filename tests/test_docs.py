@@ -4,7 +4,6 @@ or parsed by a test or marked illustrative, every test they name a test that exi
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import os
 import re
@@ -15,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 from snippets import PAGES, REPO, Block, blocks, commands, snippet
-from support import assert_ok, launch, parallelkit
+from support import assert_ok, import_dotted, launch, parallelkit
 
 TEST_FILES = (*sorted((REPO / "tests").glob("*.py")), *sorted((REPO / "plugins").glob("*/tests/*.py")))
 READS = re.compile(r"""\b(?:snippet|commands|parallelkit_args)\(\s*["']([\w.-]+)["']""")
@@ -249,7 +248,7 @@ GUIDES = sorted((REPO / "docs" / "guides").glob("*.md"))
 
 @pytest.mark.parametrize("page", GUIDES, ids=lambda page: page.stem)
 def test_each_guide_opens_with_its_task_and_ends_with_the_tests_that_pin_it(page):
-    """STYLE.md: a reader who came to do something meets the command first; the tests that pin a guide are listed
+    """A reader who came to do something meets the command first; the tests that pin a guide are listed
     in its last section, `## Pinned by` (a note under a command may name the test that runs it)."""
     *body, (last, pinned) = sections(page)
     assert last == "Pinned by", f"{page.name}: its last section is {last!r}, not '## Pinned by'"
@@ -272,25 +271,11 @@ NOT_IN_THE_API = {
 """Functions and classes the pages may name without the API reference documenting them, with the reason."""
 
 
-def python_object(dotted: str) -> object:
-    """What `dotted` names, as mkdocstrings finds it: the longest importable module, then attributes."""
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        try:
-            found = importlib.import_module(".".join(parts[:cut]))
-        except ImportError:
-            continue
-        for part in parts[cut:]:
-            found = getattr(found, part)
-        return found
-    raise ImportError(dotted)
-
-
 def test_every_class_and_function_the_pages_name_is_in_the_api_reference():
     """A dotted `parallelkit.x.y` a page names is an importable name (or an entry-point group), and when it is a
     class or a function the API reference (docs/reference/api.md) documents it, under that path or another."""
     reference = REPO / "docs" / "reference" / "api.md"
-    documented = [python_object(name) for name in re.findall(r"^::: (\S+)", reference.read_text(), re.M)]
+    documented = [import_dotted(name) for name in re.findall(r"^::: (\S+)", reference.read_text(), re.M)]
     unknown, missing = [], []
     for page in PAGES:
         if page == reference:
@@ -299,7 +284,7 @@ def test_every_class_and_function_the_pages_name_is_in_the_api_reference():
             if name in ENTRY_POINT_GROUPS or name in NOT_IN_THE_API:
                 continue
             try:
-                found = python_object(name)
+                found = import_dotted(name)
             except (ImportError, AttributeError):
                 unknown.append(f"{page.relative_to(REPO)}: {name}")
                 continue

@@ -135,11 +135,14 @@ class ReplicaGroup:
     once that exists), asked for a quorum at each optimizer step's start (`start_step`), for the average of the
     gradients across groups (`average_gradients`) and for whether the step commits (`should_commit`)."""
 
-    def __init__(self, config: ReplicaGroups, rank: int, world_size: int, state: Any) -> None:
+    def __init__(
+        self, config: ReplicaGroups, rank: int, world_size: int, state: Any, parameters: list[torch.nn.Parameter]
+    ) -> None:
         from torchft.manager import Manager
         from torchft.process_group import ProcessGroupGloo
 
         self.config = config
+        self.parameters = parameters  # those trained: their gradients are averaged across groups
         timeout = timedelta(seconds=config.timeout)
         self.manager = Manager(
             pg=ProcessGroupGloo(timeout=timeout),
@@ -162,10 +165,12 @@ class ReplicaGroup:
     def start_step(self) -> None:
         self.manager.start_quorum()
 
-    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+    def average_gradients(self) -> None:
         """Average each local gradient (a DTensor's shard) with the same rank's of every participating group: one
         flat fp32 all-reduce (whatever the gradients' dtype, nothing is summed in bf16)."""
-        grads = [p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in parameters if p.grad is not None]
+        grads = [
+            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.parameters if p.grad is not None
+        ]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1).float() for g in grads])

@@ -141,7 +141,9 @@ class ParallelSteps:
         state a returning group copies is the model's and the optimizers' (each rank's own shards)."""
         if self.replica_groups is None:
             return
-        self.replica_group = ReplicaGroup(self.replica_groups, self.global_rank, self.world_size, _GroupState(self))
+        trained = [p for p in self.model.parameters() if p.requires_grad]  # set once sharded: what crosses groups
+        state = _GroupState(self)
+        self.replica_group = ReplicaGroup(self.replica_groups, self.global_rank, self.world_size, state, trained)
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
@@ -156,11 +158,10 @@ class ParallelSteps:
         group = self.replica_group
         if group is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        trained = [p for p in self.model.parameters() if p.requires_grad]
 
         def averaged() -> Any:
             result = closure()
-            group.average_gradients(trained)
+            group.average_gradients()
             return result
 
         result = super().optimizer_step(CommitGate(optimizer, group), averaged, model, **kwargs)
