@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from lightning.pytorch.callbacks import BasePredictionWriter
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
 
+from parallelkit.data import GlobalBatchSampler, TextDataModule
 from parallelkit.lora import add_adapters
 from parallelkit.memory import local_bytes, training_state_bytes
 from parallelkit.mesh import data_parallel_group
@@ -647,14 +649,14 @@ class KillGroupAt(L.Callback):
 
 
 class StartTogether(L.Callback):
-    """Holds rank 0 of each of `count` jobs at the start of training until every one has got there (a file each in
-    `directory`): replica groups launched together, each heartbeating to the lighthouse before any asks it for a
-    quorum (one alone would form its first quorum by itself, the other then joining later)."""
+    """Holds rank 0 of each of `count` jobs as the fit starts (after the strategy's setup) until every one has got
+    there (a file each in `directory`): replica groups launched together, each heartbeating to the lighthouse before
+    any asks it for its first quorum (one alone would form it by itself, the other then joining a step later)."""
 
     def __init__(self, directory: str, count: int) -> None:
         self.directory, self.count = Path(directory), count
 
-    def on_train_start(self, trainer, pl_module) -> None:
+    def on_fit_start(self, trainer, pl_module) -> None:
         if trainer.global_rank != 0:
             return
         self.directory.mkdir(parents=True, exist_ok=True)
@@ -662,3 +664,54 @@ class StartTogether(L.Callback):
         deadline = time.monotonic() + 120
         while len(list(self.directory.iterdir())) < self.count and time.monotonic() < deadline:
             time.sleep(0.02)
+
+
+class HoldAt(L.Callback):
+    """Holds rank 0 at the start of step `step` until `path` exists (at most 120 s): a replica group that trains on
+    alone until another, restarted after a kill, is back (it creates `path` as its fit starts: `Touch`),
+    so that the test sees it return mid-run however long its start takes."""
+
+    def __init__(self, step: int, path: str) -> None:
+        self.step, self.path = step, Path(path)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        deadline = time.monotonic() + 120
+        while trainer.global_step == self.step and trainer.global_rank == 0 and not self.path.exists():
+            assert time.monotonic() < deadline, f"{self.path} never appeared"
+            time.sleep(0.02)
+
+
+class Touch(L.Callback):
+    """Creates `path` from rank 0 as the fit starts (`step` None: after the strategy's setup, before a replica group's
+    first quorum) or as step `step` starts."""
+
+    def __init__(self, path: str, step: int | None = None) -> None:
+        self.path, self.step = Path(path), step
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        if trainer.global_rank == 0 and self.step is None:
+            self.path.touch()
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_rank == 0 and trainer.global_step == self.step:
+            self.path.touch()
+
+
+class ReplayText(TextDataModule):
+    """The one-process reference of a replica-group run: at step k, the rows that the groups in `schedule[k]` (as
+    the run logged them, `ft/groups`) trained of global batch k, out of `num_groups` groups of `group_size`
+    processes with `batch_size` rows each (`GlobalBatchSampler`'s order, as the groups drew it)."""
+
+    def __init__(self, schedule: list[list[int]], num_groups: int, group_size: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.schedule, self.num_groups, self.group_size = schedule, num_groups, group_size
+
+    def train_dataloader(self) -> DataLoader:
+        replicas = self.num_groups * self.group_size
+        order = GlobalBatchSampler(len(self.train_set), self.batch_size, replicas, 0, shuffle=True, seed=self.seed)
+        batches, _ = order.epoch_batches()  # (step, replica, row)
+        rows = [
+            batches[step, [g * self.group_size + r for g in groups for r in range(self.group_size)]].reshape(-1)
+            for step, groups in enumerate(self.schedule)
+        ]
+        return DataLoader(self.train_set, batch_sampler=[r.tolist() for r in rows])

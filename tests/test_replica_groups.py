@@ -6,14 +6,17 @@ import json
 import signal
 import sys
 import time
+from pathlib import Path
 
 import pytest
 from snippets import parallelkit_args
 from support import (
     REPO,
+    assert_ok,
     assert_same_losses,
     callback,
     common,
+    fit,
     free_port,
     in_repo,
     launch,
@@ -75,21 +78,20 @@ def lighthouse(tmp_path_factory):
 
 
 def test_two_replica_groups_train_as_one_process_and_end_bit_identical(tmp_path, corpus, baseline, lighthouse):
-    """2 groups x [[2], ["fsdp"]], each its own launch: every step has both groups in its quorum and commits; each
-    group logs its own rows' loss, and their mean is one process's (fp32, 1e-5: each group's mean over its half of
-    the global batch); both groups end with the same parameters and AdamW state, shard by shard."""
+    """2 groups x [[2], ["fsdp"]], each its own launch: every step has both groups in its quorum and commits; both
+    log one process's loss (fp32, 1e-5: `train_loss` is averaged across the groups too) and end with the same
+    parameters and AdamW state, shard by shard."""
     jobs = [launch(group_args(corpus, tmp_path / f"group{g}", g, lighthouse), cwd=tmp_path) for g in (0, 1)]
     for job in jobs:
         job.wait(timeout=300)
     for job in jobs:
         assert job.returncode == 0, job.stderr()[-4000:]
     logs = [tmp_path / f"group{g}" for g in (0, 1)]
-    losses = [step_losses(log) for log in logs]
-    mean = {step: (losses[0][step] + losses[1][step]) / 2 for step in losses[0]}
-    assert_same_losses(baseline("plain").losses(), mean)
-    assert losses[0][0] != losses[1][0]  # each group trained other rows
+    for log in logs:  # each group logs the job's loss: its own rows' averaged with the other's
+        assert_same_losses(baseline("plain").losses(), step_losses(log))
     for log in logs:
         assert set(step_losses(log, "ft/participants").values()) == {2.0}
+        assert set(step_losses(log, "ft/groups").values()) == {3.0}
         assert list(step_losses(log, "ft/committed_steps").values()) == [float(s) for s in range(1, 21)]
     for rank in (0, 1):
         digests = [json.loads((log / "digest" / f"rank{rank}.json").read_text()) for log in logs]
@@ -147,38 +149,81 @@ def test_what_replica_groups_cannot_take_is_refused_before_launch(tmp_path, monk
     assert proc.returncode == 2 and f"lighthouse={unreachable}: nothing answers there" in proc.stderr, proc.stderr
 
 
-def killed_at_step_6(tmp_path, corpus, when: str):
+def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
     """Group 1 SIGKILLed whole at step 6 (`models.KillGroupAt`), `between_steps` (as the step starts, before it asks
-    for the step's quorum) or `inside_the_all_reduce` (after its backward, before the gradients cross groups); both
-    groups launched together (`models.StartTogether`). Group 0's log directory."""
-    logs = [tmp_path / when / f"group{g}" for g in (0, 1)]
-    together = callback("models.StartTogether", directory=str(tmp_path / when / "started"), count=2)
-    kill = callback("models.KillGroupAt", step=6, when=when)
+    for the step's quorum) or `inside_the_all_reduce` (after its backward, before the gradients cross groups), and
+    launched again once group 0 has gone on alone to step 10; group 0 waits for it at step 12 (`models.HoldAt`, so
+    that it comes back mid-run however long its start takes). Both first launched together (`models.StartTogether`).
+    The log directories: `survivor`, `returned`."""
+    base = tmp_path / when
+    logs = {"survivor": base / "group0", "killed": base / "group1", "returned": base / "group1-back"}
+    alone, back = base / "alone", base / "back"
+    together = callback("models.StartTogether", directory=str(base / "started"), count=2)
+    survivor = (together, callback("models.Touch", path=str(alone), step=10), callback("models.HoldAt", step=12, path=str(back)))
+    killed = (together, callback("models.KillGroupAt", step=6, when=when))
     with running_lighthouse(tmp_path, "--min-groups", "1", "--heartbeat-timeout-ms", "1000") as address:
-        jobs = [launch(group_args(corpus, logs[g], g, address, together, *[kill][:g]), cwd=tmp_path) for g in (0, 1)]
+        jobs = [
+            launch(group_args(corpus, logs["survivor"], 0, address, *survivor), cwd=tmp_path),
+            launch(group_args(corpus, logs["killed"], 1, address, *killed), cwd=tmp_path),
+        ]
         try:
-            assert jobs[0].wait(timeout=180) == 0, jobs[0].stderr()[-4000:]
-            assert jobs[1].wait(timeout=30) == -signal.SIGKILL
+            assert jobs[1].wait(timeout=180) == -signal.SIGKILL, jobs[1].stderr()[-4000:]
+            deadline = time.monotonic() + 180
+            while not alone.exists():
+                assert jobs[0].poll() is None and time.monotonic() < deadline, jobs[0].stderr()[-4000:]
+                time.sleep(0.02)
+            returned = callback("models.Touch", path=str(back))
+            jobs.append(launch(group_args(corpus, logs["returned"], 1, address, returned), cwd=tmp_path))
+            for job in (jobs[0], jobs[2]):
+                assert job.wait(timeout=180) == 0, job.stderr()[-4000:]
         finally:
             for job in jobs:
                 if job.poll() is None:
                     job.kill()
-    return logs[0]
+    return logs
 
 
-def test_a_group_killed_mid_run_leaves_the_other_committing_every_step_once_on_its_batch(tmp_path, corpus):
-    """Group 1 SIGKILLed at step 6, once between steps and once inside the gradients' all-reduce. Group 0 never stops:
-    it trains every one of its 20 steps, each committed exactly once (torchft's committed count 1..20 against
-    Lightning's steps: none lost, none repeated), alone from the kill on. Killed inside the all-reduce, the step
-    fails to commit and is tried again on the same batch with a new quorum: the survivor's losses are then those of
-    the run whose peer left between steps, step for step (the same groups took part in every committed step)."""
-    survivor = {when: killed_at_step_6(tmp_path, corpus, when) for when in ("between_steps", "inside_the_all_reduce")}
-    for log in survivor.values():
-        committed = step_losses(log, "ft/committed_steps")
+_replays: dict[str, dict[int, float]] = {}
+
+
+def replay(tmp_path, corpus, schedule: list[list[int]]) -> dict[int, float]:
+    """One process's per-step losses fed, at each step, the rows of the groups `schedule` lists for it
+    (`models.ReplayText`), out of 2 groups of 2 processes with 2 rows each: single.yaml's run otherwise."""
+    key = json.dumps(schedule)
+    if key not in _replays:
+        log = tmp_path / f"replay{len(_replays)}"
+        data = ["--data.class_path=models.ReplayText", f"--data.init_args.schedule={key}"]
+        sizes = ["--data.init_args.num_groups=2", "--data.init_args.group_size=2", "--data.init_args.batch_size=2"]
+        assert_ok(fit("single.yaml", log, *common(corpus, log / "cache"), *data, *sizes))
+        _replays[key] = step_losses(log)
+    return _replays[key]
+
+
+def test_a_killed_group_comes_back_healed_from_the_survivor_and_both_equal_a_one_process_replay(tmp_path, corpus):
+    """Group 1 SIGKILLed at step 6, once between steps and once inside the gradients' all-reduce, then launched
+    again. Group 0 never stops: it commits each of its 20 steps exactly once (torchft's committed count 1..20
+    against Lightning's steps), alone from the kill until group 1 is back. Killed inside the all-reduce, the step
+    is tried again on the same batch with the groups left. Group 1 comes back at the step group 0 is at: it copies
+    group 0's model, optimizer and training position and continues from there (its first logged step is that one,
+    committed once); both end with bit-identical parameters and AdamW state. Every step's loss (the job's: both
+    groups log it) equals that of one process fed exactly the rows of the groups that took part (logged as
+    `ft/groups`), fp32, 1e-5."""
+    for when in ("between_steps", "inside_the_all_reduce"):
+        logs = killed_and_back(tmp_path, corpus, when)
+        survivor, returned = step_losses(logs["survivor"]), step_losses(logs["returned"])
+        committed = step_losses(logs["survivor"], "ft/committed_steps")
         assert sorted(committed) == list(range(20)) and list(committed.values()) == [float(s) for s in range(1, 21)]
-        participants = step_losses(log, "ft/participants")
-        assert participants[5] == 2.0 and participants[19] == 1.0, participants
-    # Between steps, group 0's next quorum leaves group 1 out (its heartbeat stops); inside, the step is tried again.
-    retries = {when: step_losses(log, "ft/retries")[19] for when, log in survivor.items()}
-    assert retries == {"between_steps": 0.0, "inside_the_all_reduce": 1.0}, retries
-    assert_same_losses(step_losses(survivor["between_steps"]), step_losses(survivor["inside_the_all_reduce"]), 1e-6)
+        groups = step_losses(logs["survivor"], "ft/groups")
+        schedule = [[g for g in (0, 1) if int(groups[step]) >> g & 1] for step in range(20)]
+        rejoined = step_losses(logs["returned"], "ft/committed_steps")
+        back = min(rejoined)  # the step group 1 came back at: 12, or 13 if group 0 asked for its quorum first
+        assert schedule == [[0, 1]] * 6 + [[0]] * (back - 6) + [[0, 1]] * (20 - back) and back in (12, 13), schedule
+        assert list(rejoined.items()) == [(step, float(step + 1)) for step in range(back, 20)], rejoined
+        retries = step_losses(logs["survivor"], "ft/retries")[19]
+        assert retries == {"between_steps": 0.0, "inside_the_all_reduce": 1.0}[when], (when, retries)
+        reference = replay(tmp_path, corpus, schedule)
+        assert_same_losses(reference, survivor)
+        assert_same_losses({step: reference[step] for step in returned}, returned)
+        for rank in (0, 1):
+            digests = [json.loads((logs[g] / "digest" / f"rank{rank}.json").read_text()) for g in ("survivor", "returned")]
+            assert digests[0] == digests[1] and digests[0]["optimized"] > 0, (when, digests)

@@ -155,3 +155,86 @@ def parser_keys(parser: Any, subcommand: str | None) -> list[str]:
     chosen = subcommands.choices.get(subcommand) if subcommands is not None and subcommand else None
     target = chosen or parser
     return [action.dest for action in target._actions if action.dest and not action.dest.startswith("_")]
+
+
+def before_training_state_restored(trainer: L.Trainer, hook: Callable[[], None]) -> None:
+    """Call `hook` once, in this fit, between the restore of a checkpoint's model, datamodule and callbacks (when a
+    `ckpt_path` was given) and the restore of its training state (precision, loops, schedulers): Lightning's
+    `_CheckpointConnector.restore_training_state`, wrapped on this trainer's connector for one call. The hook may
+    hand Lightning a training position of its own there (`restore_training_position`)."""
+    connector = trainer._checkpoint_connector
+    connector.__dict__.pop("restore_training_state", None)  # a wrapper left by a fit that failed before restoring
+    restore = connector.restore_training_state
+
+    def hook_then_restore() -> None:
+        del connector.restore_training_state
+        hook()
+        restore()
+
+    connector.restore_training_state = hook_then_restore
+
+
+def loaded_training_position(trainer: L.Trainer) -> dict[str, Any]:
+    """The training position of the checkpoint this fit resumes from (empty without one): what
+    `training_position` gives, as Lightning loaded it, until it has restored it."""
+    loaded = trainer._checkpoint_connector._loaded_checkpoint
+    return {key: value for key, value in loaded.items() if key in _position_keys(trainer)}
+
+
+def training_position(trainer: L.Trainer) -> dict[str, Any]:
+    """Where the training stands as a step starts (`on_train_batch_start`): the entries of the checkpoint that
+    ModelCheckpoint would have saved at the end of the step before (loops, schedulers, the datamodule's data
+    position, the precision plugin's state), a copy. The batch the loop has made ready for this step is not counted:
+    a loop restored from it takes that batch next."""
+    import copy
+
+    from lightning.pytorch.trainer import call
+
+    connector = trainer._checkpoint_connector
+    loops = connector._get_loops_state_dict()
+    progress = loops["fit_loop"]["epoch_loop.batch_progress"]
+    for counts in (progress["total"], progress["current"]):
+        counts["ready"] = counts["started"]
+    progress["is_last_batch"] = False
+    position: dict[str, Any] = {
+        "epoch": trainer.current_epoch,
+        "global_step": trainer.global_step,
+        "loops": loops,
+        "lr_schedulers": [config.scheduler.state_dict() for config in trainer.lr_scheduler_configs],
+    }
+    if trainer.datamodule is not None:
+        position[type(trainer.datamodule).__qualname__] = call._call_lightning_datamodule_hook(trainer, "state_dict")
+    precision = trainer.precision_plugin.state_dict()
+    if precision:
+        position[type(trainer.precision_plugin).__qualname__] = precision
+    return copy.deepcopy(position)
+
+
+def restore_training_position(trainer: L.Trainer, position: dict[str, Any]) -> None:
+    """Make `position` (a `training_position`) the one this fit starts from: the datamodule's data position now,
+    the loops, schedulers and precision state when Lightning restores the training state next (call it from
+    `before_training_state_restored`'s hook). The model and optimizers are the caller's to restore."""
+    connector = trainer._checkpoint_connector
+    connector._loaded_checkpoint = {**connector._loaded_checkpoint, **position}
+    connector.restore_datamodule()
+
+
+def _position_keys(trainer: L.Trainer) -> set[str]:
+    keys = {"epoch", "global_step", "loops", "lr_schedulers", type(trainer.precision_plugin).__qualname__}
+    if trainer.datamodule is not None:
+        keys.add(type(trainer.datamodule).__qualname__)
+    return keys
+
+
+def rng_states() -> dict[str, Any]:
+    """The random number generators' states (torch's, CUDA's, numpy's, Python's), as Lightning collects them."""
+    from lightning.fabric.utilities.seed import _collect_rng_states
+
+    return _collect_rng_states()
+
+
+def set_rng_states(states: dict[str, Any]) -> None:
+    """Set the random number generators to `rng_states()`'s."""
+    from lightning.fabric.utilities.seed import _set_rng_states
+
+    _set_rng_states(states)

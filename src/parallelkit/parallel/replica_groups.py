@@ -7,14 +7,16 @@ lighthouse), the gradients each rank holds are averaged with the same rank of ev
 the optimizer steps only when the step commits (every participating group finished it). torchft drops a group
 that stops answering from the next quorum and lets one that comes back copy a healthy peer's state.
 
-What works today: the groups train as one data-parallel job, equal to one process (fp32) when none fails; a group
-that dies leaves the others training, a step it broke tried again on the same batch (`CommitGate`); each step's
-quorum size, committed steps and retries are logged. What does not yet: a group that comes back copies the model and
-optimizer (torchft's heal, untested here) but not Lightning's step count or data position.
+A group joins with its first quorum (`ReplicaGroup.join`), as its run starts or resumes from a checkpoint: one
+that comes back after the others went on copies a healthy one's model, optimizers and training position (loops,
+schedulers, data position, RNG: `GroupState`) there and continues with them from the same step and batch. A step
+that a group's failure breaks is tried again on the same batch with the groups left (`CommitGate`). Each step's
+groups, committed steps and tries are logged.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import socket
 from dataclasses import dataclass
@@ -130,25 +132,68 @@ class ReplicaGroups:
             ) from err
 
 
+class GroupState:
+    """What a group that comes back copies from a healthy one (torchft's `state_dict` and `load_state_dict`, sent
+    over its HTTP checkpoint transport): this rank's shards of the trained parameters, of the optimizers' states, and
+    the training position as the step began (`position`: loops, schedulers, data position, RNG). torchft reads it on
+    its quorum thread while the main thread waits for the quorum (between steps, or before a step is tried again),
+    so nothing moves under it; the parameters are taken sharded, as named at the group's join, not through the
+    model's `state_dict` hooks. `layout` (processes, mesh, trained shards) must be the same on both sides."""
+
+    def __init__(self, layout: str, parameters: dict[str, torch.nn.Parameter], optimizers: list[Any]) -> None:
+        self.layout, self.parameters, self.optimizers = layout, parameters, optimizers
+        self.position: dict[str, Any] = {}
+        self.joining = False  # only a joining group may copy another's state
+        self.healed: dict[str, Any] | None = None  # the position copied at the join
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "layout": self.layout,
+            "parameters": {name: _local(p).detach() for name, p in self.parameters.items()},
+            "optimizers": [_optimizer_state(optimizer) for optimizer in self.optimizers],
+            "position": self.position,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state["layout"] != self.layout:
+            raise ReplicaGroupError(
+                f"this replica group cannot take the state of the group it heals from: that one runs "
+                f"{state['layout']}, this one {self.layout}. Fix: launch every group with the same mesh_shape, "
+                "devices and model."
+            )
+        if not self.joining:
+            raise ReplicaGroupError(
+                "this replica group fell behind the others during a step (they committed it, it did not) and would "
+                "have to copy their state in the middle of its step. Fix: restart the group: as it starts it copies "
+                "the others' state and continues with them."
+            )
+        with torch.no_grad():
+            for name, param in self.parameters.items():
+                _local(param).copy_(state["parameters"][name])
+        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
+            optimizer.load_state_dict(_optimizer_state_back(saved, optimizer))
+        self.healed = state["position"]
+
+
 class ReplicaGroup:
-    """This rank's part in the replica groups: torchft's `Manager` for the process group inside this group (built
-    once that exists), asked for a quorum at each optimizer step's start (`start_step`), for the average of the
-    gradients across groups (`average_gradients`) and for whether the step commits (`should_commit`)."""
+    """This rank's part in the replica groups: torchft's `Manager` over a gloo process group across the groups (this
+    rank and the same rank of every other group). The first quorum is the group's `join`, as its run starts or
+    resumes; then each optimizer step asks for one as it starts (`start_step`), averages the gradients across the
+    step's groups (`average_gradients`) and steps only if the step commits (`should_commit`). The quorums are
+    synchronous: a group that comes back copies a peer's state (`GroupState`) before its first forward."""
 
-    def __init__(
-        self, config: ReplicaGroups, rank: int, world_size: int, state: Any, parameters: list[torch.nn.Parameter]
-    ) -> None:
+    def __init__(self, config: ReplicaGroups, rank: int, world_size: int, state: GroupState) -> None:
         from torchft.manager import Manager
-        from torchft.process_group import ProcessGroupGloo
 
-        self.config = config
-        self.parameters = parameters  # those trained: their gradients are averaged across groups
+        self.config, self.state = config, state
         timeout = timedelta(seconds=config.timeout)
+        self.process_group = _quorum_process_group(timeout)
         self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
+            pg=self.process_group,
             load_state_dict=state.load_state_dict,
             state_dict=state.state_dict,
             min_replica_size=config.min_groups,
+            use_async_quorum=False,
             timeout=timeout,
             quorum_timeout=timedelta(seconds=config.quorum_timeout),
             connect_timeout=timeout,
@@ -161,16 +206,88 @@ class ReplicaGroup:
         )
         self.committed: bool | None = None
         self.retries = 0  # steps tried again since the run started
+        self._quorum_ready = False  # the join's quorum is the first step's
+        self._layouts_checked = False
 
-    def start_step(self) -> None:
+    def join(self, step: int, batches_committed: int, position: dict[str, Any]) -> dict[str, Any] | None:
+        """The group's first quorum, as its run starts at committed `step` (0, or a durable checkpoint's) with the
+        training `position` it would send a group further behind. A group behind the others copies the state of
+        one of them here: its model and optimizers are theirs on return, and the training position copied is
+        returned (None if the group was not behind)."""
+        self.manager.load_state_dict({"step": step, "batches_committed": batches_committed})
+        self.state.position, self.state.joining = position, True
+        try:
+            for _ in range(MAX_RETRIES + 1):
+                self.manager.start_quorum()
+                self._check_quorum()
+                if self.manager.errored() is None:
+                    break
+            else:
+                raise self._failed(f"could not join the others at step {step}")
+        finally:
+            self.state.joining = False
+        self._quorum_ready, self._layouts_checked = True, False
+        healed, self.state.healed = self.state.healed, None
+        return healed
+
+    def start_step(self, position: dict[str, Any]) -> None:
+        """Ask for this step's quorum (the join's, for the first step), `position` being where the training stands:
+        what a group that joins in this quorum copies with the model."""
+        self.state.position = position
+        if self._quorum_ready:
+            self._quorum_ready = False
+            return
         self.manager.start_quorum()
+        self._check_quorum()
 
-    def average_gradients(self) -> None:
-        """Average each local gradient (a DTensor's shard) with the same rank's of every participating group: one
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """The groups of the current quorum."""
+        return self.process_group.groups
+
+    def _check_quorum(self) -> None:
+        """Refuse a quorum that holds one group twice (two launches given the same group) or a group beyond
+        num_groups (launched with another num_groups)."""
+        groups, num_groups = self.groups, self.config.num_groups
+        twice = sorted({g for g in groups if groups.count(g) > 1})
+        beyond = sorted(g for g in groups if g >= num_groups)
+        if twice or beyond:
+            problem = (
+                f"group {twice[0]} is in the quorum twice: two launches were given replica_groups.group={twice[0]}"
+                if twice
+                else f"group {beyond[0]} is in the quorum, but replica_groups.num_groups={num_groups} here"
+            )
+            raise ReplicaGroupError(
+                f"replica groups {list(groups)} in this step's quorum: {problem}, and the groups would train the "
+                f"same rows. Fix: launch group i of n with replica_groups.group=i and replica_groups.num_groups=n, "
+                "each index once."
+            )
+        if self.process_group.reconfigured:
+            self._layouts_checked = False
+
+    def _check_layouts(self) -> None:
+        """Refuse, at the first all-reduce of each new quorum, groups whose layouts differ (their gradients' shards
+        would not match): a fingerprint of this group's summed with the others'."""
+        fingerprint = int(hashlib.sha256(self.state.layout.encode()).hexdigest()[:6], 16)
+        sums = torch.tensor([fingerprint, fingerprint**2], dtype=torch.float64)
+        self.manager.allreduce(sums, reduce_op=_reduce_op("sum")).wait()
+        if self.manager.errored() is not None:
+            return  # this step fails; the next quorum's first all-reduce checks again
+        count = self.manager.num_participants()
+        if sums.tolist() != [count * fingerprint, count * fingerprint**2]:
+            raise ReplicaGroupError(
+                f"replica groups {list(self.groups)}: not every group of this quorum has this group's layout "
+                f"({self.state.layout}), so their gradients' shards do not match. Fix: launch every group with the "
+                "same mesh_shape, devices and model."
+            )
+        self.process_group.reconfigured, self._layouts_checked = False, True
+
+    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Average each local gradient (a DTensor's shard) with the same rank's of every group of the step: one
         flat fp32 all-reduce (whatever the gradients' dtype, nothing is summed in bf16)."""
-        grads = [
-            p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad for p in self.parameters if p.grad is not None
-        ]
+        if not self._layouts_checked:
+            self._check_layouts()
+        grads = [_local(p.grad) for p in parameters if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1).float() for g in grads])
@@ -180,6 +297,13 @@ class ReplicaGroup:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
 
+    def reduce(self, value: torch.Tensor, reduce_op: Any) -> torch.Tensor:
+        """A logged value of this group (reduced over its own ranks) reduced across the step's groups as well:
+        averaged for "mean", in fp32."""
+        flat = value.detach().float().reshape(-1).clone()
+        self.manager.allreduce(flat, reduce_op=_reduce_op(reduce_op)).wait()
+        return flat.view_as(value).to(value.dtype)
+
     def should_commit(self) -> bool:
         self.committed = self.manager.should_commit()
         return self.committed
@@ -188,19 +312,30 @@ class ReplicaGroup:
         """Start the next try of a step that did not commit: a new quorum, without the groups that failed."""
         self.retries += 1
         self.manager.start_quorum()
+        self._check_quorum()
 
     @property
     def committed_steps(self) -> int:
         return self.manager.current_step()
 
     def metrics(self) -> dict[str, float]:
-        """What the monitors log each step: the groups in the quorum, the committed steps, whether this one did."""
+        """What the monitors log each step: the groups of the quorum (`ft/groups`, one bit each), how many took part,
+        the committed steps, whether this one committed, the tries again so far."""
         return {
             "ft/participants": float(self.manager.num_participants()),
+            "ft/groups": float(sum(1 << g for g in set(self.groups))),
             "ft/committed_steps": float(self.manager.current_step()),
             "ft/committed": float(bool(self.committed)),
             "ft/retries": float(self.retries),
         }
+
+    def _failed(self, what: str) -> ReplicaGroupError:
+        return ReplicaGroupError(
+            f"replica group {self.config.group} {what}: {MAX_RETRIES + 1} tries in a row failed (a group failing in "
+            f"each, or fewer than min_groups={self.config.min_groups} groups left). Fix: the groups' and the "
+            "lighthouse's logs say which failed; relaunch this group (it rejoins the others) or all of them from the "
+            "last checkpoint."
+        )
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
@@ -224,12 +359,71 @@ class CommitGate:
                 self.optimizer.step()
                 return result
             self.group.retry()
-        raise ReplicaGroupError(
-            f"replica group {self.group.config.group}: the step after committed step {self.group.committed_steps} "
-            f"failed to commit {MAX_RETRIES + 1} times in a row (a group failing in each try, or fewer than "
-            f"min_groups={self.group.config.min_groups} groups left). Fix: the groups' and the lighthouse's logs say "
-            "which failed; relaunch from the last checkpoint."
-        )
+        raise self.group._failed(f"could not commit the step after committed step {self.group.committed_steps}")
 
     def __getattr__(self, name: str) -> Any:  # param_groups, state, zero_grad, ...: the optimizer's
         return getattr(self.optimizer, name)
+
+
+def describe_layout(world_size: int, mesh: Any, parameters: dict[str, torch.nn.Parameter]) -> str:
+    """What two groups' ranks must share to average their gradients and copy each other's state: the processes, the
+    mesh, and this rank's shards of the trained parameters (names, shapes, dtypes; a digest)."""
+    shards = [(name, tuple(_local(p).shape), str(p.dtype)) for name, p in parameters.items()]
+    digest = hashlib.sha256(repr(shards).encode()).hexdigest()[:12]
+    return f"{world_size} processes on mesh_shape {mesh}, {len(shards)} trained tensors (shards {digest})"
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _reduce_op(name: Any) -> Any:
+    from torch.distributed import ReduceOp
+
+    if isinstance(name, ReduceOp.RedOpType):
+        return name
+    ops = {"mean": ReduceOp.AVG, "avg": ReduceOp.AVG, "sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}
+    return ops[str(name).lower()]
+
+
+def _optimizer_state(optimizer: Any) -> dict[str, Any]:
+    """An optimizer's `state_dict` with its DTensors as their local shards and their layout (a DTensor's mesh does
+    not travel): see `_optimizer_state_back`."""
+    saved = optimizer.state_dict()
+    state, layouts = {}, {}
+    for index, entries in saved["state"].items():
+        state[index] = {key: _local(value) for key, value in entries.items()}
+        for key, value in entries.items():
+            if isinstance(value, DTensor):
+                layouts[(index, key)] = (value.shape, value.stride(), value.placements)
+    return {"state": state, "param_groups": saved["param_groups"], "dtensors": layouts}
+
+
+def _optimizer_state_back(saved: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    """`_optimizer_state`'s state for `optimizer` (this group's, of the same layout), its shards made DTensors again
+    on their parameters' meshes."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    state = {index: dict(entries) for index, entries in saved["state"].items()}
+    for (index, key), (shape, stride, placements) in saved["dtensors"].items():
+        mesh = params[index].device_mesh
+        local = state[index][key].to(params[index].device)
+        state[index][key] = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
+    return {"state": state, "param_groups": saved["param_groups"]}
+
+
+def _quorum_process_group(timeout: timedelta) -> Any:
+    """torchft's gloo process group across the groups, noting at each reconfiguration (a new quorum) which groups
+    it spans (`groups`; torchft numbers a group's ranks after its index)."""
+    from torchft.process_group import ProcessGroupGloo
+
+    class QuorumProcessGroup(ProcessGroupGloo):
+        groups: tuple[int, ...] = ()
+        reconfigured = False
+
+        def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int, *args: Any, **kwargs: Any):
+            ranks = kwargs.get("global_ranks", args[3] if len(args) > 3 else None) or []
+            size = kwargs.get("group_world_size", args[2] if len(args) > 2 else None) or 1
+            self.groups, self.reconfigured = tuple(r // size for r in ranks), True
+            super().configure(store_addr, replica_id, rank, world_size, *args, **kwargs)
+
+    return QuorumProcessGroup(timeout=timeout)

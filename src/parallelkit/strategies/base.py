@@ -33,7 +33,7 @@ from parallelkit.callbacks.monitors import RankMonitor
 from parallelkit.callbacks.preemption import PreemptionCheckpoint
 from parallelkit.callbacks.replicas import ReplicaMonitor
 from parallelkit.checkpoint.strategy import FLAT, ShardedCheckpoints
-from parallelkit.comm import CommHook, reduce_logged
+from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
 from parallelkit.compat import (
     destroy_process_groups_at_exit,
@@ -332,10 +332,6 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
                 self.use_mesh(planned)
         # The escape hatch: a model that overrides configure_model() parallelises itself with this mesh.
         set_device_mesh(self, self.mesh_spec.build(self.root_device.type, self.collective_timeout))
-
-    @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        return reduce_logged(tensor, group, reduce_op)
 
     # -- model setup -----------------------------------------------------------------------------------------
     @contextmanager

@@ -10,18 +10,29 @@ rank's slice of its sequences. The strategy keeps the Lightning lifecycle, this 
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
-from parallelkit.compat import run_as_forward
+from parallelkit.comm import reduce_logged
+from parallelkit.compat import (
+    before_training_state_restored,
+    loaded_training_position,
+    restore_training_position,
+    rng_states,
+    run_as_forward,
+    set_rng_states,
+    training_position,
+)
+from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import settle_gradients
 from parallelkit.optim import compile_step, mixes_plain_and_dtensors, replicate_plain_tensors
 from parallelkit.parallel.context_parallel import SequenceSplit, split_batch
-from parallelkit.parallel.replica_groups import CommitGate, ReplicaGroup
+from parallelkit.parallel.replica_groups import CommitGate, GroupState, ReplicaGroup, describe_layout
 
 
 class ParallelSteps:
@@ -93,11 +104,6 @@ class ParallelSteps:
         return getattr(module, method)(*args, **kwargs)
 
     @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        with self.loss_context(), self.precision_plugin.train_step_context():
-            return self._in_root_forward("training_step", *args, **kwargs)
-
-    @override
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.loss_context(), self.precision_plugin.val_step_context():
             return self._in_root_forward("validation_step", *args, **kwargs)
@@ -124,6 +130,17 @@ class ParallelSteps:
 
     # -- replica groups (`parallelkit.parallel.replica_groups`): data parallelism across separately launched groups --
     replica_group: ReplicaGroup | None = None
+    _in_training_step = False
+    _restored_torchft: dict[str, int] | None = None  # torchft's state in the checkpoint this run resumes from
+
+    @override
+    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
+        """A logged value's `sync_dist` reduction, over `group` (default: every rank); under replica groups, a value
+        logged in the training step across the step's groups too: `train_loss` is the job's, as one process's."""
+        reduced = reduce_logged(tensor, group, reduce_op)
+        if self.replica_group is None or not self._in_training_step:
+            return reduced
+        return self.replica_group.reduce(reduced, reduce_op)
 
     @property
     @override
@@ -137,19 +154,57 @@ class ParallelSteps:
         return {"num_replicas": size, "rank": rank}
 
     def join_replica_groups(self) -> None:
-        """Under `replica_groups`, this rank's torchft manager, once the process group inside the group exists: the
-        state a returning group copies is the model's and the optimizers' (each rank's own shards)."""
+        """Under `replica_groups`, this rank's torchft manager (heartbeating to the lighthouse from here on), and the
+        first quorum once the checkpoint this run resumes from (if any) has given the model, optimizers and training
+        position (`_join`)."""
         if self.replica_groups is None:
             return
-        trained = [p for p in self.model.parameters() if p.requires_grad]  # set once sharded: what crosses groups
-        state = _GroupState(self)
-        self.replica_group = ReplicaGroup(self.replica_groups, self.global_rank, self.world_size, state, trained)
+        trained = {name: p for name, p in self.model.named_parameters() if p.requires_grad}  # sharded by now
+        state = GroupState(describe_layout(self.world_size, self.mesh_spec, trained), trained, self.optimizers)
+        self.replica_group = ReplicaGroup(self.replica_groups, self.global_rank, self.world_size, state)
+        before_training_state_restored(self.lightning_module.trainer, self._join)
+
+    def _join(self) -> None:
+        """The group's first quorum, at the committed step the run starts from (0 or its checkpoint's): a group
+        behind the others takes one's model, optimizers and training position here."""
+        trainer, group = self.lightning_module.trainer, self.replica_group
+        loaded = loaded_training_position(trainer)
+        restored = self._restored_torchft or {}
+        step = restored.get("step", loaded.get("global_step", 0))
+        position = loaded or {**training_position(trainer), "rng": rng_states()}
+        healed = group.join(step, restored.get("batches_committed", 0), position)
+        if healed is not None:
+            rng = healed.pop("rng", None)
+            restore_training_position(trainer, healed)
+            if rng is not None:
+                set_rng_states(rng)
+        rank_zero_info(
+            f"replica group {self.replica_groups.group}: joined groups {list(group.groups)} at step "
+            f"{group.committed_steps}" + (", copying their state" if healed is not None else "")
+        )
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        if self.replica_group is not None and batch_idx % self.lightning_module.trainer.accumulate_grad_batches == 0:
-            self.replica_group.start_step()  # the quorum forms while the step's forward runs
+        if self.replica_group is None:
+            return
+        if isinstance(batch, Mapping) and "num_targets" in batch:
+            raise ConfigError(
+                "replica_groups with token batches (SFT or packed data: a loss divided by the step's target count): "
+                "the count is the whole job's, and the groups that take part vary from step to step; not done yet. "
+                "Fix: train replica groups on fixed-length windows (parallelkit.data.TextDataModule)."
+            )
+        position = {**training_position(self.lightning_module.trainer), "rng": rng_states()}
+        self.replica_group.start_step(position)  # what a group joining in this step's quorum copies
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._in_training_step = True
+        try:
+            with self.loss_context(), self.precision_plugin.train_step_context():
+                return self._in_root_forward("training_step", *args, **kwargs)
+        finally:
+            self._in_training_step = False
 
     @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
@@ -161,7 +216,7 @@ class ParallelSteps:
 
         def averaged() -> Any:
             result = closure()
-            group.average_gradients()
+            group.average_gradients(list(group.state.parameters.values()))
             return result
 
         result = super().optimizer_step(CommitGate(optimizer, group), averaged, model, **kwargs)
@@ -171,27 +226,24 @@ class ParallelSteps:
         return result
 
     @override
+    def extra_state(self) -> dict[str, Any]:
+        """With replica groups, torchft's state (committed steps, batches) beside the strategy's own."""
+        state = super().extra_state()
+        if self.replica_group is not None:
+            manager = self.replica_group.manager.state_dict()
+            state.update({f"torchft.{key}": torch.tensor(value) for key, value in manager.items()})
+        return state
+
+    @override
+    def load_extra_state(self, read: Any) -> None:
+        super().load_extra_state(read)
+        if self.replica_groups is not None:
+            found = read({"torchft.step": torch.tensor(0), "torchft.batches_committed": torch.tensor(0)})
+            self._restored_torchft = {key.split(".", 1)[1]: int(value) for key, value in found.items()}
+
+    @override
     def teardown(self) -> None:
         if self.replica_group is not None:
             self.replica_group.shutdown()
             self.replica_group = None
         super().teardown()
-
-
-class _GroupState:
-    """What a returning replica group copies from a healthy one (torchft's `state_dict`/`load_state_dict`): this
-    rank's shards of the model and the optimizers' states."""
-
-    def __init__(self, strategy: Any) -> None:
-        self.strategy = strategy
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": self.strategy.model.state_dict(),
-            "optimizers": [optimizer.state_dict() for optimizer in self.strategy.optimizers],
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.strategy.model.load_state_dict(state["model"])
-        for optimizer, saved in zip(self.strategy.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(saved)
