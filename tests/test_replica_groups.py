@@ -3,6 +3,7 @@ data-parallel job, each step's quorum formed by a lighthouse, gradients averaged
 
 import contextlib
 import json
+import re
 import signal
 import sys
 import time
@@ -15,6 +16,7 @@ from support import (
     assert_ok,
     assert_same_losses,
     callback,
+    checkpoint_every,
     common,
     fit,
     free_port,
@@ -227,3 +229,75 @@ def test_a_killed_group_comes_back_healed_from_the_survivor_and_both_equal_a_one
         for rank in (0, 1):
             digests = [json.loads((logs[g] / "digest" / f"rank{rank}.json").read_text()) for g in ("survivor", "returned")]
             assert digests[0] == digests[1] and digests[0]["optimized"] > 0, (when, digests)
+
+
+def test_every_group_restarted_after_a_kill_during_a_save_resumes_exactly_the_furthest_checkpoint(
+    tmp_path, corpus, baseline
+):
+    """Each group checkpoints every 4 steps in its own directory. Group 1 loses a rank in the middle of its step-8
+    save (`models.KillDuringSave`: its step-8 checkpoint stays `.partial`, its last is step 4), group 0 is killed
+    at step 10 (its last: step 8). Both relaunched with `--ckpt_path=last`: group 0 resumes at 8 from its own
+    checkpoint (torchft's committed count with it), group 1 from step 4's, behind, copies group 0's state as it joins;
+    both go on from step 8, exactly the uninterrupted run's (one process's losses, 1e-5), and end bit-identical."""
+    logs = [tmp_path / f"group{g}" for g in (0, 1)]
+    saves = [checkpoint_every(log / "ckpt", 4, last=True) for log in logs]
+    kills = [
+        callback("models.KillGroupAt", step=10, when="between_steps"),
+        callback("models.KillDuringSave", step=8),
+    ]
+    with running_lighthouse(tmp_path, "--min-groups", "1", "--heartbeat-timeout-ms", "1000") as address:
+        for attempt, extra in (("killed", kills), ("resumed", ["--ckpt_path=last"] * 2)):
+            together = callback("models.StartTogether", directory=str(tmp_path / attempt), count=2)
+            run = [group_args(corpus, logs[g], g, address, together, saves[g], extra[g]) for g in (0, 1)]
+            jobs = [launch(command, cwd=tmp_path) for command in run]
+            try:
+                codes = [job.wait(timeout=180) for job in jobs]
+            finally:
+                for job in jobs:
+                    if job.poll() is None:
+                        job.kill()
+            if attempt == "killed":
+                assert codes[0] == -signal.SIGKILL and codes[1] != 0, [job.stderr()[-3000:] for job in jobs]
+                assert sorted(p.name for p in (logs[1] / "ckpt").iterdir()) == [
+                    "epoch=0-step=4.ckpt",
+                    "epoch=0-step=8.ckpt.partial",
+                    "last.ckpt",
+                ]
+            else:
+                assert codes == [0, 0], [job.stderr()[-3000:] for job in jobs]
+    straight = baseline("plain").losses()
+    for log in logs:
+        resumed = step_losses(log)
+        assert sorted(resumed) == list(range(8, 20)), resumed
+        assert_same_losses({step: straight[step] for step in resumed}, resumed)
+        assert list(step_losses(log, "ft/committed_steps").values()) == [float(s) for s in range(9, 21)]
+    for rank in (0, 1):
+        digests = [json.loads((log / "digest" / f"rank{rank}.json").read_text()) for log in logs]
+        assert digests[0] == digests[1], digests
+
+
+def test_groups_launched_wrong_together_both_fail_naming_why_without_hanging(tmp_path, corpus, lighthouse):
+    """Two launches given the same group index, then two whose meshes differ ([[2], ["fsdp"]] and [[1, 2], ["fsdp",
+    "tp"]]: their gradients' shards do not match): both groups of each pair exit at once (the first quorum; the
+    first all-reduce), each naming the problem and the fix."""
+    cases = {
+        "same index": ((0, ()), (0, ())),
+        "other layout": ((0, ()), (1, ('--trainer.strategy.mesh_shape=[[1, 2], ["fsdp", "tp"]]',))),
+    }
+    expected = {
+        "same index": r"group 0 is in the quorum twice: two launches were given replica_groups.group=0.*Fix: launch",
+        "other layout": r"not every group of this quorum has this group's layout \(2 processes on mesh_shape .*Fix:",
+    }
+    for case, groups in cases.items():
+        base = tmp_path / case.replace(" ", "-")
+        together = callback("models.StartTogether", directory=str(base / "started"), count=2)
+        commands = [group_args(corpus, base / f"launch{i}", g, lighthouse, together, *extra) for i, (g, extra) in enumerate(groups)]
+        jobs = [launch(command, cwd=tmp_path) for command in commands]
+        try:
+            codes = [job.wait(timeout=120) for job in jobs]
+        finally:
+            for job in jobs:
+                if job.poll() is None:
+                    job.kill()
+        for code, job in zip(codes, jobs):
+            assert code != 0 and re.search(expected[case], job.stderr()), (case, job.stderr()[-3000:])
