@@ -221,6 +221,8 @@ def test_a_killed_group_comes_back_healed_from_the_survivor_and_both_equal_a_one
         back = min(rejoined)  # the step group 1 came back at: 12, or 13 if group 0 asked for its quorum first
         assert schedule == [[0, 1]] * 6 + [[0]] * (back - 6) + [[0, 1]] * (20 - back) and back in (12, 13), schedule
         assert list(rejoined.items()) == [(step, float(step + 1)) for step in range(back, 20)], rejoined
+        copied = {log: set(step_losses(logs[log], "ft/copied_steps").values()) for log in ("survivor", "returned")}
+        assert copied == {"survivor": {0.0}, "returned": {float(back)}}, copied
         retries = step_losses(logs["survivor"], "ft/retries")[19]
         assert retries == {"between_steps": 0.0, "inside_the_all_reduce": 1.0}[when], (when, retries)
         reference = replay(tmp_path, corpus, schedule)
@@ -271,6 +273,8 @@ def test_every_group_restarted_after_a_kill_during_a_save_resumes_exactly_the_fu
         assert sorted(resumed) == list(range(8, 20)), resumed
         assert_same_losses({step: straight[step] for step in resumed}, resumed)
         assert list(step_losses(log, "ft/committed_steps").values()) == [float(s) for s in range(9, 21)]
+    copied = [set(step_losses(log, "ft/copied_steps").values()) for log in logs]
+    assert copied == [{0.0}, {4.0}], copied  # group 1's checkpoint was 4 steps behind group 0's
     for rank in (0, 1):
         digests = [json.loads((log / "digest" / f"rank{rank}.json").read_text()) for log in logs]
         assert digests[0] == digests[1], digests

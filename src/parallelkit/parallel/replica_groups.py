@@ -206,6 +206,7 @@ class ReplicaGroup:
         )
         self.committed: bool | None = None
         self.retries = 0  # steps tried again since the run started
+        self.copied_steps = 0  # committed steps the join copied from another group instead of training them
         self._quorum_ready = False  # the join's quorum is the first step's
         self._layouts_checked = False
 
@@ -223,11 +224,12 @@ class ReplicaGroup:
                 if self.manager.errored() is None:
                     break
             else:
-                raise self._failed(f"could not join the others at step {step}")
+                raise self.failure(f"could not join the others at step {step}")
         finally:
             self.state.joining = False
         self._quorum_ready, self._layouts_checked = True, False
         healed, self.state.healed = self.state.healed, None
+        self.copied_steps = self.manager.current_step() - step if healed is not None else 0
         return healed
 
     def start_step(self, position: dict[str, Any]) -> None:
@@ -320,16 +322,17 @@ class ReplicaGroup:
 
     def metrics(self) -> dict[str, float]:
         """What the monitors log each step: the groups of the quorum (`ft/groups`, one bit each), how many took part,
-        the committed steps, whether this one committed, the tries again so far."""
+        the committed steps, whether this one committed, the tries again so far, the steps copied at the join."""
         return {
             "ft/participants": float(self.manager.num_participants()),
             "ft/groups": float(sum(1 << g for g in set(self.groups))),
             "ft/committed_steps": float(self.manager.current_step()),
             "ft/committed": float(bool(self.committed)),
             "ft/retries": float(self.retries),
+            "ft/copied_steps": float(self.copied_steps),
         }
 
-    def _failed(self, what: str) -> ReplicaGroupError:
+    def failure(self, what: str) -> ReplicaGroupError:
         return ReplicaGroupError(
             f"replica group {self.config.group} {what}: {MAX_RETRIES + 1} tries in a row failed (a group failing in "
             f"each, or fewer than min_groups={self.config.min_groups} groups left). Fix: the groups' and the "
@@ -359,7 +362,7 @@ class CommitGate:
                 self.optimizer.step()
                 return result
             self.group.retry()
-        raise self.group._failed(f"could not commit the step after committed step {self.group.committed_steps}")
+        raise self.group.failure(f"could not commit the step after committed step {self.group.committed_steps}")
 
     def __getattr__(self, name: str) -> Any:  # param_groups, state, zero_grad, ...: the optimizer's
         return getattr(self.optimizer, name)

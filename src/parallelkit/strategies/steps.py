@@ -5,7 +5,9 @@
 parallelism when asked for; gradients are held back on accumulation micro-steps; and what leaving FSDP out asks of
 the strategy (the model's `DataParallelWrap`, read in `setup`: gradients settled after each backward, plain tensors
 replicated in the optimizer's update) is done here; under context parallelism each batch reaches the step as this
-rank's slice of its sequences. The strategy keeps the Lightning lifecycle, this the steps.
+rank's slice of its sequences; under replica groups each step has its quorum, its gradients averaged across the
+step's groups and its commit, and a group joins the others between a checkpoint's restore and its training state's
+(`parallelkit.parallel.replica_groups`). The strategy keeps the Lightning lifecycle, this the steps.
 """
 
 from __future__ import annotations
