@@ -84,7 +84,9 @@ def clock(log: Path) -> list[dict[str, float]]:
 
 def groups_per_step(log: Path) -> dict[int, int]:
     (metrics,) = log.glob("**/metrics.csv")
-    return {int(row["step"]): int(float(row["ft/groups"])) for row in csv.DictReader(metrics.open()) if row.get("ft/groups")}
+    return {
+        int(row["step"]): int(float(row["ft/groups"])) for row in csv.DictReader(metrics.open()) if row.get("ft/groups")
+    }
 
 
 def main() -> None:
@@ -112,7 +114,10 @@ def main() -> None:
         logs = {"survivor": root / "group0", "killed": root / "group1", "returned": root / "group1-back"}
         try:
             time.sleep(2)  # the lighthouse serving
-            jobs = [start(group_command(g, address, args, logs[k]), logs[k], env) for g, k in ((0, "survivor"), (1, "killed"))]
+            jobs = [
+                start(group_command(g, address, args, logs[k]), logs[k], env)
+                for g, k in ((0, "survivor"), (1, "killed"))
+            ]
             while not any(entry["step"] >= args.kill_at for entry in clock(logs["killed"])):
                 if any(job.poll() not in (None, 0) for job in jobs):
                     sys.exit(f"a group failed before the kill: see {root}")

@@ -18,6 +18,7 @@ from parallelkit.data import GlobalBatchSampler, TextDataModule
 from parallelkit.lora import add_adapters
 from parallelkit.memory import local_bytes, training_state_bytes
 from parallelkit.mesh import data_parallel_group
+from parallelkit.models import HFCausalLM
 from parallelkit.models.gpt import GPT, MLP, Attention, Block
 
 TINY_LLAMA = {
@@ -715,3 +716,51 @@ class ReplayText(TextDataModule):
             for step, groups in enumerate(self.schedule)
         ]
         return DataLoader(self.train_set, batch_sampler=[r.tolist() for r in rows])
+
+
+class PeftCausalLM(HFCausalLM):
+    """transformers + PEFT, trained by Lightning as `HFCausalLM`: the reference a parallelkit LoRA run must equal.
+    Built as `HFCausalLM(config, lora=...)` builds itself (so the run's seed draws the same base weights and
+    adapters), then its network is a fresh transformers model of the same config holding those base weights, with
+    PEFT's adapters (`LoraConfig(target_modules=<the linear targets>, target_parameters=<the experts' ones>)`) given
+    parallelkit's initial values (`parallelkit.lora_experts.peft_names`)."""
+
+    def __init__(
+        self, config: dict | str | None = None, pretrained: str | None = None, lora: dict | None = None
+    ) -> None:
+        import inspect
+
+        from peft import LoraConfig, get_peft_model
+        from transformers import AutoModelForCausalLM
+
+        from parallelkit.contract import matches_suffix
+        from parallelkit.lora import is_adapter
+        from parallelkit.lora_experts import expert_parameters, peft_names
+
+        super().__init__(config=config, pretrained=pretrained, lora=lora)
+        # Lightning's save_hyperparameters kept this class's arguments only: HFCausalLM's optimizer settings too
+        defaults = inspect.signature(HFCausalLM.__init__).parameters.values()
+        self.hparams.update(
+            {p.name: p.default for p in defaults if p.name not in self.hparams and p.default is not p.empty}
+        )
+        ours = self.model
+        stacked = expert_parameters(ours)
+        experts = [t for t in lora["targets"] if any(matches_suffix(t, n) for n in stacked)]
+        dense = [t for t in lora["targets"] if t not in experts]
+        base = AutoModelForCausalLM.from_config(ours.config)
+        base.load_state_dict({k: v for k, v in ours.state_dict().items() if not is_adapter(k)})
+        settings = LoraConfig(
+            r=lora["rank"],
+            lora_alpha=lora["alpha"],
+            target_modules=dense or None,
+            target_parameters=experts or None,
+        )
+        reference = get_peft_model(base, settings)
+        adapters = {k: v.detach().clone() for k, v in ours.named_parameters() if is_adapter(k)}
+        values = {
+            f"base_model.model.{k.removesuffix('.weight')}.default.weight": v
+            for k, v in peft_names(adapters, lora["targets"]).items()
+        }
+        assert not reference.load_state_dict(values, strict=False).unexpected_keys
+        assert {k for k, p in reference.named_parameters() if p.requires_grad} == set(values)
+        self.model = reference.base_model.model

@@ -161,7 +161,11 @@ def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
     logs = {"survivor": base / "group0", "killed": base / "group1", "returned": base / "group1-back"}
     alone, back = base / "alone", base / "back"
     together = callback("models.StartTogether", directory=str(base / "started"), count=2)
-    survivor = (together, callback("models.Touch", path=str(alone), step=10), callback("models.HoldAt", step=12, path=str(back)))
+    survivor = (
+        together,
+        callback("models.Touch", path=str(alone), step=10),
+        callback("models.HoldAt", step=12, path=str(back)),
+    )
     killed = (together, callback("models.KillGroupAt", step=6, when=when))
     with running_lighthouse(tmp_path, "--min-groups", "1", "--heartbeat-timeout-ms", "1000") as address:
         jobs = [
@@ -229,7 +233,9 @@ def test_a_killed_group_comes_back_healed_from_the_survivor_and_both_equal_a_one
         assert_same_losses(reference, survivor)
         assert_same_losses({step: reference[step] for step in returned}, returned)
         for rank in (0, 1):
-            digests = [json.loads((logs[g] / "digest" / f"rank{rank}.json").read_text()) for g in ("survivor", "returned")]
+            digests = [
+                json.loads((logs[g] / "digest" / f"rank{rank}.json").read_text()) for g in ("survivor", "returned")
+            ]
             assert digests[0] == digests[1] and digests[0]["optimized"] > 0, (when, digests)
 
 
@@ -295,7 +301,10 @@ def test_groups_launched_wrong_together_both_fail_naming_why_without_hanging(tmp
     for case, groups in cases.items():
         base = tmp_path / case.replace(" ", "-")
         together = callback("models.StartTogether", directory=str(base / "started"), count=2)
-        commands = [group_args(corpus, base / f"launch{i}", g, lighthouse, together, *extra) for i, (g, extra) in enumerate(groups)]
+        commands = [
+            group_args(corpus, base / f"launch{i}", g, lighthouse, together, *extra)
+            for i, (g, extra) in enumerate(groups)
+        ]
         jobs = [launch(command, cwd=tmp_path) for command in commands]
         try:
             codes = [job.wait(timeout=120) for job in jobs]

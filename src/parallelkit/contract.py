@@ -63,6 +63,11 @@ TP_STYLE_HOOK = "adapt_tp_style"
 gives it (a `LoRALinear` splits its adapters as its layer): the parallel code calls it and knows no module class."""
 
 
+EXPERT_WEIGHTS_HOOK = "adapted_weights"
+"""An experts module with a method of this name, `adapted_weights() -> context manager`, computes with other values
+of its parameters than the ones it holds while the context lasts (LoRA adapters on its experts: `W + B @ A`); expert
+parallelism enters it around the module's own forward, once its parameters are this rank's: it knows no adapter."""
+
 EXPERTS_CONTRACT = """an experts module holds every expert of one mixture-of-experts layer: an int attribute
 `num_experts`, every parameter with the expert index as its first dimension (e.g. gate_up_proj [E, 2I, H], down_proj
 [E, H, I]), and `forward(tokens [N, H], top_k_index [N, k], top_k_weights [N, k]) -> [N, H]` giving each token the sum
@@ -91,6 +96,14 @@ def matches(pattern: str, fqn: str) -> bool:
     """True when `fqn` matches `pattern` segment by segment (`*`, and any fnmatch pattern, never crosses a dot)."""
     parts, names = pattern.split("."), fqn.split(".")
     return len(parts) == len(names) and all(fnmatchcase(n, p) for p, n in zip(parts, names))
+
+
+def matches_suffix(pattern: str, name: str) -> bool:
+    """True when `pattern`'s segments match the last segments of the module or parameter name `name` (`*`: one
+    segment)."""
+    parts = pattern.split(".")
+    names = name.split(".")
+    return len(names) >= len(parts) and matches(pattern, ".".join(names[len(names) - len(parts) :]))
 
 
 HEAD_COUNT_ATTRS = ("n_head", "num_heads")

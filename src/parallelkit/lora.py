@@ -39,8 +39,9 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from parallelkit.contract import declared_plan, matches
+from parallelkit.contract import declared_plan, matches, matches_suffix
 from parallelkit.errors import ConfigError
+from parallelkit.lora_experts import adapt_experts, expert_parameters
 from parallelkit.quantize import is_nf4, nf4_available, release_freed_memory, to_nf4
 
 if TYPE_CHECKING:
@@ -171,13 +172,6 @@ def _adapt(module: nn.Linear, lora: LoRA, seed: int) -> LoRALinear:
     return module
 
 
-def matches_suffix(pattern: str, name: str) -> bool:
-    """True when `pattern`'s segments match the last segments of the module name `name` (`*` = one segment)."""
-    parts = pattern.split(".")
-    names = name.split(".")
-    return len(names) >= len(parts) and matches(pattern, ".".join(names[len(names) - len(parts) :]))
-
-
 def output_layers(model: nn.Module) -> set[str]:
     """Names of the modules the model's declared plan calls its output layer (style `vocab_head`)."""
     heads = [pattern for pattern, style in declared_plan(model).tp.items() if style == "vocab_head"]
@@ -216,6 +210,8 @@ def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[s
     if lora is None:
         return []
     named = [(name, m) for name, m in model.named_modules() if name]
+    stacked = expert_parameters(model)
+    experts: dict[str, list[str]] = {}  # experts module -> its targeted parameters, in target order (PEFT's nesting)
     if lora.targets == ALL_LINEAR:
         skip = output_layers(model)
         chosen = [(n, m) for n, m in named if isinstance(m, nn.Linear) and n not in skip]
@@ -223,31 +219,51 @@ def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[s
         picked: set[str] = set()
         for pattern in lora.targets:
             found = [n for n, _ in named if matches_suffix(pattern, n)]
-            if not found:
+            parameters = [n for n in stacked if matches_suffix(pattern, n)]
+            if not found and not parameters:
                 linear = [n for n, m in named if isinstance(m, nn.Linear)]
                 leaves = sorted({n.rpartition(".")[2] for n in linear})
                 raise ConfigError(
                     f"lora.targets entry {pattern!r} matches no module of {type(model).__name__}. Targets match the "
                     f"last segments of module names; its linear layers end in: {', '.join(leaves)} (e.g. "
                     f"{linear[0] if linear else 'none'}). Or targets: {ALL_LINEAR}."
+                    + (f" Experts' parameters can be targets too: e.g. {next(iter(stacked))}." if stacked else "")
                 )
             picked.update(found)
+            for name in parameters:
+                owner, _, attr = name.rpartition(".")
+                if attr not in experts.setdefault(owner, []):
+                    experts[owner].append(attr)
         chosen = [(n, m) for n, m in named if n in picked]  # in module order
-    if not chosen:
+    if not chosen and not experts:
         raise ConfigError(f"lora.targets={lora.targets!r} finds no linear layer in {type(model).__name__}.")
+    held = dict(named)
     for name, module in chosen:
         if isinstance(module, LoRALinear):
             raise ConfigError(f"{name} has adapters already: add_adapters is called once per model.")
         if type(module) is not nn.Linear:
+            own = [n for n in stacked if n.rpartition(".")[0] == name]
             raise ConfigError(
-                f"lora.targets matches {name} ({type(module).__name__}): adapters go on torch.nn.Linear layers only. "
-                "Fix: narrow the targets to linear layers (e.g. ['q_proj', 'v_proj'])."
+                f"lora.targets matches {name} ({type(module).__name__}): adapters go on torch.nn.Linear layers and "
+                "on experts' stacked parameters only. Fix: narrow the targets to linear layers (e.g. ['q_proj', "
+                f"'v_proj']){' or name its experts parameters (' + ', '.join(own) + ')' if own else ''}."
             )
     for param in model.parameters():
         param.requires_grad_(False)
     seed = torch.initial_seed()
     for name, module in chosen:
-        _adapt(module, lora, seed=(seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+        if type(module) is nn.Linear:
+            _adapt(module, lora, seed=(seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+    for owner, attrs in experts.items():
+        if lora.dropout or lora.quantize_base:
+            what = f"dropout={lora.dropout:g}" if lora.dropout else f"quantize_base={lora.quantize_base}"
+            raise ConfigError(
+                f"lora.targets adapts {owner}'s experts ({', '.join(attrs)}) with lora.{what}: adapters on experts' "
+                "parameters take no dropout (as PEFT's parameter adapters) and their base is not quantized yet. Fix: "
+                "lora.dropout: 0 and quantize_base: null, or adapt the dense layers only."
+            )
+        seeds = [(seed * 1_000_003 + zlib.crc32(f"{owner}.{attr}".encode())) % 2**63 for attr in attrs]
+        adapt_experts(held[owner], attrs, lora.rank, lora.scaling, seeds)
     if lora.quantize_base:
         nf4_available()  # asking for NF4 without torchao: one clear error, at build time
         if lora.quantize_others:
@@ -256,7 +272,9 @@ def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[s
                 if type(module) is nn.Linear and name not in skip and name not in adapted:
                     module.quantize_base = lora.quantize_base
         quantize_base(model)  # weights built with values now; meta ones when their values are known
-    return [name for name, _ in chosen]
+    return [name for name, module in chosen if isinstance(module, LoRALinear)] + [
+        f"{owner}.{attr}" for owner, attrs in experts.items() for attr in attrs
+    ]
 
 
 QUANTIZED_TP_REFUSAL = (
@@ -312,18 +330,21 @@ def quantized_names(model: nn.Module) -> list[str]:
 
 
 def has_adapters(model: nn.Module) -> bool:
-    return any(isinstance(m, LoRALinear) for m in model.modules())
+    return any(isinstance(m, LoRALinear) or getattr(m, "expert_adapters", None) for m in model.modules())
 
 
 def is_adapter(name: str) -> bool:
-    """Whether the parameter name is an adapter's (`...q_proj.lora_A`)."""
-    return name.rpartition(".")[2] in ADAPTER_PARAMETERS
+    """Whether the parameter name is an adapter's (`...q_proj.lora_A`, `...experts.gate_up_proj_lora_A`)."""
+    return name.rpartition(".")[2].endswith(ADAPTER_PARAMETERS)  # the experts' end with them too
 
 
 def reset_adapters(model: nn.Module) -> None:
     """Initialise every adapter of `model` (after a strategy materialised it, or after base weights were loaded)."""
     for _, module in adapter_modules(model):
         module.reset_adapters()
+    for module in model.modules():
+        for adapter in getattr(module, "expert_adapters", {}).values():
+            adapter.reset(module)
 
 
 def trainable_names(model: nn.Module) -> list[str]:

@@ -80,6 +80,10 @@ class ConvertedWeights:
         first = self.weights.shape(pieces[0][0])
         return (len(pieces[0]), sum(self.weights.shape(piece[0])[0] for piece in pieces), *first[1:])
 
+    def dtype(self, name: str) -> torch.dtype:
+        key = self.names[name] if name not in self.merged else self._pieces(name)[0][0]
+        return self.weights.entries[key][1]
+
     def read(self, name: str, box: tuple[slice, ...]) -> torch.Tensor:
         """The part `box` of tensor `name`; of a fused one, read from the experts and rows of each piece it covers."""
         if name not in self.merged:

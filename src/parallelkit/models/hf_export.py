@@ -28,9 +28,12 @@ from parallelkit.checkpoint import (
     load_meta,
     read_metadata,
 )
+from parallelkit.contract import matches_suffix
 from parallelkit.errors import ConfigError
 from parallelkit.init import tied_parameters
 from parallelkit.lora import is_adapter
+from parallelkit.lora_experts import adapted_weight, adapter_keys, peft_names
+from parallelkit.models.hf_convert import ConvertedWeights
 from parallelkit.models.hf_io import INDEX, WEIGHTS, SafetensorsWeights
 
 TOKENIZER_FILES = (
@@ -121,7 +124,7 @@ def export_hf(
             "parallelkit consolidate."
         )
     lora = hparams.get("lora")
-    adapted = sorted({k.rpartition(".")[0] for k in entries if is_adapter(k)})
+    adapted = sorted({adapted_weight(k) for k in entries if is_adapter(k)})
     if adapters and not adapted:
         raise CheckpointError(
             f"{ckpt} holds no LoRA adapters (its run had no model.init_args.lora). Fix: export it without --adapters."
@@ -220,7 +223,9 @@ def _merged_tensors(
         return _Tensors(entries, load)
     wanted = [HF_MODULE + name for name in skeleton.state_dict()]
     absent = [k for k in wanted if k not in entries]
-    pretrained = SafetensorsWeights(hparams["pretrained"]) if absent and hparams.get("pretrained") else None
+    pretrained = None
+    if absent and hparams.get("pretrained"):  # as the model names and shapes them (fused experts, ...)
+        pretrained = ConvertedWeights(SafetensorsWeights(hparams["pretrained"]), skeleton)
     if absent and (pretrained is None or any(k[len(HF_MODULE) :] not in pretrained.files for k in absent)):
         raise CheckpointError(
             f"{ckpt} holds LoRA adapters only, and its base weights ({absent[0]}, ...) "
@@ -234,9 +239,9 @@ def _merged_tensors(
     merged = {k: entries[k] for k in wanted if k in entries}
     for key in absent:
         name = key[len(HF_MODULE) :]
-        merged[key] = (pretrained.shape(name), pretrained.entries[name][1])
+        merged[key] = (pretrained.shape(name), pretrained.dtype(name))
     scaling = lora["alpha"] / lora["rank"]
-    factors = load([f"{module}.{part}" for module in adapted for part in ("lora_A", "lora_B")])  # small: read once
+    factors = load([key for weight in adapted for key in adapter_keys(weight)])  # small: read once
 
     def load_merged(keys: Iterable[str]) -> dict[str, torch.Tensor]:
         keys = list(keys)
@@ -245,11 +250,11 @@ def _merged_tensors(
             if key not in out:
                 name = key[len(HF_MODULE) :]
                 out[key] = pretrained.read(name, tuple(slice(0, n) for n in pretrained.shape(name)))
-        for module in adapted:
-            if f"{module}.weight" in out:
-                a, b = factors[f"{module}.lora_A"], factors[f"{module}.lora_B"]
-                weight = out[f"{module}.weight"]
-                out[f"{module}.weight"] = (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
+        for weight_key in adapted:
+            if weight_key in out:  # a linear layer's [out, in], or experts' [E, out, in]: B @ A expert by expert
+                a, b = (factors[key] for key in adapter_keys(weight_key))
+                weight = out[weight_key]
+                out[weight_key] = (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
         return out
 
     return _Tensors(merged, load_merged)
@@ -289,9 +294,13 @@ def _write_adapters(
     naming every adapted module exactly (PEFT matches a listed name in full)."""
     from safetensors.torch import save_file
 
-    keys = [f"{module}.{part}" for module in adapted for part in ("lora_A", "lora_B")]
-    tensors = {PEFT_PREFIX + k[len(HF_MODULE) :] + ".weight": v.contiguous() for k, v in load(keys).items()}
+    keys = [key for weight in adapted for key in adapter_keys(weight)]
+    named = peft_names({k[len(HF_MODULE) :]: v for k, v in load(keys).items()}, lora["targets"])
+    tensors = {PEFT_PREFIX + k: v.contiguous() for k, v in named.items()}
     save_file(tensors, staging / PEFT_WEIGHTS, metadata={"format": "pt"})
+    modules = [w[len(HF_MODULE) :].removesuffix(".weight") for w in adapted if w.endswith(".weight")]
+    stacked = [w[len(HF_MODULE) :] for w in adapted if not w.endswith(".weight")]
+    targets = [lora["targets"]] if isinstance(lora["targets"], str) else lora["targets"]
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
@@ -299,7 +308,9 @@ def _write_adapters(
         "r": lora["rank"],
         "lora_alpha": lora["alpha"],
         "lora_dropout": lora["dropout"],
-        "target_modules": [module[len(HF_MODULE) :] for module in adapted],
+        "target_modules": modules or None,
+        # PEFT wraps an experts module's parameters in this order (the first innermost): the targets' own
+        "target_parameters": [t for t in targets if any(matches_suffix(t, name) for name in stacked)] or None,
         "bias": "none",
         "fan_in_fan_out": False,
         "use_rslora": False,

@@ -8,7 +8,8 @@ by a dispatch (`ExpertDispatch`), dropless:
 2. the token copies, sorted by expert, go to the ranks holding their experts in one `all_to_all_single` with split
    sizes (the counts go first, in one of fixed size);
 3. the module's own forward runs there on the experts this rank holds (transformers' grouped GEMM kernel for its
-   families, parallelkit's for the GPT), each copy with weight 1;
+   families, parallelkit's for the GPT), each copy with weight 1, with their LoRA adapters if they have some
+   (`parallelkit.contract.EXPERT_WEIGHTS_HOOK`: the adapters are the module's parameters, divided with them);
 4. the outputs come back by the reverse all-to-all and are summed per token with the router's weights, in expert
    order, as the module itself sums them.
 
@@ -22,13 +23,14 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from parallelkit.compat import all_to_all_autograd, in_backward, registered_parameters
+from parallelkit.contract import EXPERT_WEIGHTS_HOOK
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -109,7 +111,8 @@ class ExpertDispatch:
     def run_local(self, module: nn.Module, tokens: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
         """The module's own forward on the tokens sent to this rank, each with its (local) expert and weight 1."""
         ones = torch.ones(tokens.shape[0], 1, dtype=tokens.dtype, device=tokens.device)
-        with _local_weights(module, 1.0 / self.ep) as used:
+        adapted = getattr(module, EXPERT_WEIGHTS_HOOK, nullcontext)  # LoRA on the experts: W + B @ A
+        with _local_weights(module, 1.0 / self.ep) as used, adapted():
             out = self.compute(module, tokens, experts[:, None], ones)
             if tokens.shape[0] == 0:  # no token came: the weights still get their (zero) gradient, as on one process
                 out = out + sum(weight.sum() * 0 for weight in used)

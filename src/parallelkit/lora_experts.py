@@ -1,0 +1,186 @@
+"""LoRA on a mixture of experts' experts: one low-rank pair per expert on an experts module's stacked parameters.
+
+`lora.targets` naming an experts parameter (`mlp.experts.gate_up_proj`, PEFT's `target_parameters` spelling) gives
+its module, for that parameter `W` [E, out, in], the parameters `<name>_lora_A` [E, rank, in] and `<name>_lora_B`
+[E, out, rank] (`adapt_experts`), and its forward computes with `W[e] + alpha / rank * B[e] @ A[e]` for each expert
+(`adapted_weights`): PEFT's math for a 3-D parameter, so adapters move between the two (`peft_names`). Their leading
+dimension is the experts', so what the strategies do to experts they do to their adapters: expert parallelism gives
+each rank its experts' adapters, FSDP shards them as the experts, a pipeline stage holds its layers'. The base stays
+frozen; only the adapters have gradients and optimizer state.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import distribute_tensor
+
+from parallelkit.compat import registered_parameters
+from parallelkit.contract import EXPERT_WEIGHTS_HOOK, matches_suffix
+
+SUFFIXES = ("_lora_A", "_lora_B")
+"""What an experts parameter's adapters are named after it: `gate_up_proj_lora_A`, `gate_up_proj_lora_B`."""
+
+DENSE_ADAPTERS = ("lora_A", "lora_B")
+"""A linear layer's adapters (`parallelkit.lora.LoRALinear`), named alone."""
+
+
+class ExpertAdapter:
+    """Adapters on one stacked experts parameter `W` [E, out, in] (`gate_up_proj`, `down_proj`): per expert e, the
+    module's parameters `<name>_lora_A[e]` (rank x in) and `<name>_lora_B[e]` (out x rank), and
+    `W[e] + scaling * B[e] @ A[e]` is what the experts' own code computes with (`adapted_weights`), as PEFT's
+    `target_parameters` adapters do. Their leading dimension is the experts', so expert parallelism divides them with
+    their experts, and FSDP shards them as it shards the experts."""
+
+    def __init__(self, name: str, rank: int, scaling: float, seed: int) -> None:
+        self.name, self.rank, self.scaling, self.seed = name, rank, scaling, seed
+
+    @property
+    def names(self) -> tuple[str, str]:
+        return f"{self.name}_lora_A", f"{self.name}_lora_B"
+
+    @torch.no_grad()
+    def reset(self, module: nn.Module) -> None:
+        """A Kaiming-uniform on each expert's in features (PEFT's, drawn from a generator seeded by the run's seed and
+        the parameter's name), B zero."""
+        a, b = (getattr(module, name) for name in self.names)
+        generator = torch.Generator().manual_seed(self.seed)
+        bound = 1 / math.sqrt(a.shape[-1])
+        values = torch.empty(a.shape, dtype=a.dtype).uniform_(-bound, bound, generator=generator)
+        _set_values(a, values)
+        _set_values(b, torch.zeros(b.shape, dtype=b.dtype))
+
+
+def _set_values(param: torch.Tensor, values: torch.Tensor) -> None:
+    """Copy whole `values` into `param`, a plain tensor or a DTensor (its local shard's part of them)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(param, DTensor):
+        values = distribute_tensor(values.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
+        param.to_local().copy_(values.to_local())
+    else:
+        param.copy_(values)
+
+
+def adapt_experts(module: nn.Module, names: list[str], rank: int, scaling: float, seeds: list[int]) -> None:
+    """Give the experts module `module` adapters of `rank` on its stacked parameters `names` (`ExpertAdapter`), and
+    run its forward with the adapted weights; expert parallelism, which replaces that forward, enters them itself
+    (`parallelkit.contract.EXPERT_WEIGHTS_HOOK`)."""
+    adapters = getattr(module, "expert_adapters", None)
+    if adapters is None:
+        adapters = module.expert_adapters = {}
+        forward = type(module).forward
+
+        def adapted_forward(*args: Any, **kwargs: Any) -> Any:
+            with adapted_weights(module):
+                return forward(module, *args, **kwargs)
+
+        module.forward = adapted_forward
+        setattr(module, EXPERT_WEIGHTS_HOOK, partial(adapted_weights, module))
+    for name, seed in zip(names, seeds):
+        weight = getattr(module, name)
+        experts, out_features, in_features = weight.shape
+        adapter = adapters[name] = ExpertAdapter(name, rank, scaling, seed)
+        shapes = ((experts, rank, in_features), (experts, out_features, rank))
+        for param_name, shape in zip(adapter.names, shapes):
+            param = torch.empty(shape, device=weight.device, dtype=weight.dtype)
+            module.register_parameter(param_name, nn.Parameter(param))
+        if not weight.is_meta:
+            adapter.reset(module)
+
+
+@contextmanager
+def adapted_weights(module: nn.Module) -> Iterator[None]:
+    """While it lasts, the experts module's adapted parameters are `W + scaling * B @ A`, expert by expert (one
+    `baddbmm`, in W's dtype, as PEFT folds them), where its forward reads them; whatever they are then (FSDP's
+    gathered parameters, expert parallelism's local ones)."""
+    adapters = getattr(module, "expert_adapters", None)
+    if not adapters:
+        yield
+        return
+    registered = registered_parameters(module)
+    saved = {name: registered[name] for name in adapters}
+    for name, adapter in adapters.items():
+        a, b = (registered[n] for n in adapter.names)
+        registered[name] = torch.baddbmm(
+            saved[name], b.to(saved[name].dtype), a.to(saved[name].dtype), alpha=adapter.scaling
+        )
+    try:
+        yield
+    finally:
+        registered.update(saved)
+
+
+def expert_parameters(model: nn.Module) -> list[str]:
+    """The stacked experts parameters of `model` by name: 3-D parameters, one slice per expert, of a module that
+    counts its experts (`num_experts`), e.g. transformers' `mlp.experts.gate_up_proj`."""
+    return [
+        f"{owner}.{name}" if owner else name
+        for owner, module in model.named_modules()
+        for name, param in module.named_parameters(recurse=False)
+        if param.dim() == 3 and getattr(module, "num_experts", None) == param.shape[0] and not name.endswith(SUFFIXES)
+    ]
+
+
+def adapted_weight(adapter: str) -> str:
+    """The weight an adapter's parameter adapts: `...q_proj.lora_A` -> `...q_proj.weight`,
+    `...experts.gate_up_proj_lora_B` -> `...experts.gate_up_proj`."""
+    owner, _, stem = adapter.rpartition(".")
+    if stem in DENSE_ADAPTERS:
+        return f"{owner}.weight"
+    return f"{owner}.{stem.rsplit('_lora_', 1)[0]}"
+
+
+def adapter_keys(weight: str) -> tuple[str, str]:
+    """The (A, B) parameters adapting `weight` (`adapted_weight`'s inverse)."""
+    if weight.endswith(".weight"):
+        module = weight.removesuffix(".weight")
+        return f"{module}.lora_A", f"{module}.lora_B"
+    return f"{weight}_lora_A", f"{weight}_lora_B"
+
+
+def expert_targets(targets: list[str] | str, names: list[str]) -> dict[str, list[str]]:
+    """The experts parameters among `names` (adapter names, `...experts.gate_up_proj_lora_A`) by experts module, each
+    module's in the order of the first `targets` entry naming them: the order PEFT nests its parameter wrappers in."""
+    found: dict[str, set[str]] = {}
+    for name in names:
+        stem = name.rpartition(".")[2]
+        if "." in name and stem.endswith(SUFFIXES):
+            owner = name.rpartition(".")[0]
+            found.setdefault(owner, set()).add(stem.rsplit("_lora_", 1)[0])
+    patterns = [targets] if isinstance(targets, str) else list(targets)
+
+    def order(owner: str, attr: str) -> int:
+        return next((i for i, p in enumerate(patterns) if matches_suffix(p, f"{owner}.{attr}")), len(patterns))
+
+    return {owner: sorted(attrs, key=lambda attr: (order(owner, attr), attr)) for owner, attrs in found.items()}
+
+
+def peft_names(adapters: dict[str, torch.Tensor], targets: list[str] | str) -> dict[str, torch.Tensor]:
+    """`adapters` (name -> whole tensor, parallelkit's names and shapes) as PEFT names and lays them out, without
+    PEFT's `base_model.model.` prefix and adapter name: `<module>.lora_A.weight` for a linear layer's; for an experts
+    parameter [E, out, in], A [E*r, in] (expert e's rows together) and B [out, r*E] (its columns interleaved,
+    `B[:, e::E]`) on the parameter's wrapper, `<experts>.lora_A.weight` for the last targeted parameter of the
+    module and one more `base_layer.` for each before it."""
+    nesting = expert_targets(targets, list(adapters))
+    out = {}
+    for name, tensor in adapters.items():
+        owner, _, stem = name.rpartition(".")
+        if stem in DENSE_ADAPTERS:
+            out[f"{name}.weight"] = tensor
+            continue
+        attr, _, part = stem.rpartition("_lora_")
+        order = nesting[owner]
+        wrappers = "base_layer." * (len(order) - 1 - order.index(attr))
+        if part == "A":
+            value = tensor.reshape(-1, tensor.shape[-1])
+        else:
+            value = tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1)
+        out[f"{owner}.{wrappers}lora_{part}.weight"] = value.contiguous()
+    return out

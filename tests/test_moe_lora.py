@@ -1,0 +1,122 @@
+"""LoRA on a mixture of experts' experts: `lora.targets` naming their stacked parameters (PEFT's `target_parameters`),
+one low-rank pair per expert. A small random Qwen3-MoE saved with `save_pretrained`, adapters on attention and on the
+experts: trained by transformers + PEFT in one process (the reference, `models.PeftCausalLM`) and by parallelkit
+under expert parallelism, the exported adapters loaded by PEFT, and what cannot be adapted refused by name."""
+
+import json
+
+import pytest
+import torch
+import yaml
+from support import REPO, assert_ok, assert_same_losses, checkpoint_every, common, fit, parallelkit, step_losses
+from test_moe import LAYOUTS as MOE_LAYOUTS
+
+from parallelkit.errors import ConfigError
+from parallelkit.lora import add_adapters
+from parallelkit.lora_experts import expert_parameters
+from parallelkit.models import HFCausalLM
+
+CONFIG = "moe.yaml"
+QWEN3_MOE = yaml.safe_load((REPO / "configs" / CONFIG).read_text())["model"]["init_args"]["config"]
+LORA = {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")
+LAYOUTS = {name: MOE_LAYOUTS[name] for name in ("ep4", "fsdp_ep", "1f1b_pp_ep")}  # the MoE guide's commands
+
+
+@pytest.fixture(scope="module")
+def pretrained_moe(tmp_path_factory):
+    """A user's MoE directory: a random Qwen3-MoE of configs/moe.yaml's sizes (seed 7, not the runs'), saved by
+    `save_pretrained`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = tmp_path_factory.mktemp("qwen3_moe")
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**QWEN3_MOE)).save_pretrained(directory)
+    return directory
+
+
+def finetune(pretrained) -> tuple[str, ...]:
+    return (
+        f"--model.init_args.pretrained={pretrained}",
+        "--model.init_args.config=null",
+        f"--model.init_args.lora={json.dumps(LORA)}",
+    )
+
+
+@pytest.fixture(scope="module")
+def peft_losses(tmp_path_factory, corpus, pretrained_moe):
+    """transformers + PEFT in one process, 20 steps, trained by Lightning (configs/moe.yaml's run otherwise): its
+    per-step losses."""
+    log = tmp_path_factory.mktemp("peft")
+    peft = ("--model=models.PeftCausalLM", *finetune(pretrained_moe), "--trainer.callbacks=[]")  # no ExpertMonitor:
+    # PEFT's wrapper is what the plan's experts name now, and it takes the experts' arguments otherwise
+    assert_ok(fit(CONFIG, log, *common(corpus, log / "cache"), *peft, *ONE_PROCESS))
+    return step_losses(log)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_lora_on_the_experts_trains_as_peft_in_one_process(tmp_path, corpus, pretrained_moe, peft_losses, layout):
+    """Adapters on q, v and on each expert's gate/up and down projections, on [[4], ["ep"]] and [[2, 2], ["fsdp",
+    "ep"]] (each rank holding its experts' adapters with them): per-step losses equal transformers + PEFT's in one
+    process (fp32, 1e-5); the fsdp x ep run's step-20 adapters, exported with `export-hf --adapters`, load into
+    transformers with PEFT and give parallelkit's logits, and merged by `export-hf` give them too (1e-5)."""
+    save = checkpoint_every(tmp_path / "ckpt", 20)
+    assert_ok(
+        fit(CONFIG, tmp_path, *common(corpus, tmp_path / "cache"), *finetune(pretrained_moe), *LAYOUTS[layout], save)
+    )
+    assert_same_losses(peft_losses, step_losses(tmp_path))
+    if layout != "fsdp_ep":
+        return
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from parallelkit.checkpoint import consolidate
+
+    ckpt = tmp_path / "ckpt" / "epoch=0-step=20.ckpt"
+    assert_ok(parallelkit("export-hf", str(ckpt), str(tmp_path / "adapters"), "--adapters", cwd=tmp_path))
+    assert_ok(parallelkit("export-hf", str(ckpt), str(tmp_path / "merged"), cwd=tmp_path))
+    model = HFCausalLM(pretrained=str(pretrained_moe), lora=LORA)
+    missing, unexpected = model.load_state_dict(
+        torch.load(consolidate(ckpt, tmp_path / "a.pt"), weights_only=True), strict=False
+    )
+    assert not unexpected and all(not model.get_parameter(n).requires_grad for n in missing)
+    config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
+    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], config
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    base = AutoModelForCausalLM.from_pretrained(pretrained_moe)
+    with torch.no_grad():
+        expected = model.eval()(tokens)
+        untuned = base(tokens).logits
+        by_peft = PeftModel.from_pretrained(base, tmp_path / "adapters").eval()(tokens).logits
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()(tokens).logits
+    assert (expected - untuned).abs().max() > 1e-3  # the adapters changed the model: the comparison can fail
+    torch.testing.assert_close(by_peft, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(merged, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_adapters_go_on_each_experts_parameter_and_what_cannot_be_adapted_is_named():
+    """`mlp.experts.gate_up_proj` adapts every layer's stacked gate/up parameter [E, 2I, H]: A [E, r, H], B [E, 2I, r]
+    beside it, trainable, the base frozen; the experts module named instead, dropout, or a 4-bit base are refused
+    naming the fix."""
+    model = HFCausalLM(QWEN3_MOE, lora=LORA)
+    assert expert_parameters(model)[:2] == [
+        "model.model.layers.0.mlp.experts.gate_up_proj",
+        "model.model.layers.0.mlp.experts.down_proj",
+    ]
+    experts = model.model.model.layers[0].mlp.experts
+    assert tuple(experts.gate_up_proj_lora_A.shape) == (8, 4, 64) and tuple(experts.gate_up_proj_lora_B.shape) == (
+        8,
+        64,
+        4,
+    )
+    assert not experts.gate_up_proj.requires_grad and experts.down_proj_lora_A.requires_grad
+    assert experts.gate_up_proj_lora_B.abs().sum() == 0 and experts.gate_up_proj_lora_A.abs().sum() > 0
+    for lora, expected in (
+        (
+            {**LORA, "targets": ["experts"]},
+            r"adapters go on torch.nn.Linear layers and on experts' stacked parameters.*mlp.experts.gate_up_proj",
+        ),
+        ({**LORA, "dropout": 0.1}, r"adapters on experts' parameters take no dropout.*Fix: lora.dropout: 0"),
+    ):
+        with pytest.raises(ConfigError, match=expected):
+            add_adapters(HFCausalLM(QWEN3_MOE), lora)
