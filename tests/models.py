@@ -15,7 +15,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from parallelkit.data import GlobalBatchSampler, TextDataModule
-from parallelkit.lora import add_adapters
+from parallelkit.lora import LoRA, add_adapters
 from parallelkit.memory import local_bytes, training_state_bytes
 from parallelkit.mesh import data_parallel_group
 from parallelkit.models import HFCausalLM
@@ -726,7 +726,7 @@ class PeftCausalLM(HFCausalLM):
     parallelkit's initial values (`parallelkit.lora_experts.peft_names`)."""
 
     def __init__(
-        self, config: dict | str | None = None, pretrained: str | None = None, lora: dict | None = None
+        self, config: dict | str | None = None, pretrained: str | None = None, lora: LoRA | None = None
     ) -> None:
         import inspect
 
@@ -734,10 +734,11 @@ class PeftCausalLM(HFCausalLM):
         from transformers import AutoModelForCausalLM
 
         from parallelkit.contract import matches_suffix
-        from parallelkit.lora import is_adapter
+        from parallelkit.lora import as_lora, is_adapter
         from parallelkit.lora_experts import expert_parameters, peft_names
 
         super().__init__(config=config, pretrained=pretrained, lora=lora)
+        lora = as_lora(lora)
         # Lightning's save_hyperparameters kept this class's arguments only: HFCausalLM's optimizer settings too
         defaults = inspect.signature(HFCausalLM.__init__).parameters.values()
         self.hparams.update(
@@ -745,13 +746,13 @@ class PeftCausalLM(HFCausalLM):
         )
         ours = self.model
         stacked = expert_parameters(ours)
-        experts = [t for t in lora["targets"] if any(matches_suffix(t, n) for n in stacked)]
-        dense = [t for t in lora["targets"] if t not in experts]
+        experts = [t for t in lora.targets if any(matches_suffix(t, n) for n in stacked)]
+        dense = [t for t in lora.targets if t not in experts]
         base = AutoModelForCausalLM.from_config(ours.config)
         base.load_state_dict({k: v for k, v in ours.state_dict().items() if not is_adapter(k)})
         settings = LoraConfig(
-            r=lora["rank"],
-            lora_alpha=lora["alpha"],
+            r=lora.rank,
+            lora_alpha=lora.alpha,
             target_modules=dense or None,
             target_parameters=experts or None,
         )
@@ -759,7 +760,7 @@ class PeftCausalLM(HFCausalLM):
         adapters = {k: v.detach().clone() for k, v in ours.named_parameters() if is_adapter(k)}
         values = {
             f"base_model.model.{k.removesuffix('.weight')}.default.weight": v
-            for k, v in peft_names(adapters, lora["targets"]).items()
+            for k, v in peft_names(adapters, lora.targets).items()
         }
         assert not reference.load_state_dict(values, strict=False).unexpected_keys
         assert {k for k, p in reference.named_parameters() if p.requires_grad} == set(values)

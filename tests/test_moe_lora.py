@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 import yaml
+from snippets import parallelkit_args
 from support import REPO, assert_ok, assert_same_losses, checkpoint_every, common, fit, parallelkit, step_losses
 from test_moe import LAYOUTS as MOE_LAYOUTS
 
@@ -18,7 +19,8 @@ from parallelkit.models import HFCausalLM
 
 CONFIG = "moe.yaml"
 QWEN3_MOE = yaml.safe_load((REPO / "configs" / CONFIG).read_text())["model"]["init_args"]["config"]
-LORA = {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"]}
+LORA = {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "experts.gate_up_proj", "experts.down_proj"]}
+"""The MoE guide's adapters (its LoRA command), for the models built here."""
 ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")
 LAYOUTS = {name: MOE_LAYOUTS[name] for name in ("ep4", "fsdp_ep", "1f1b_pp_ep")}  # the MoE guide's commands
 
@@ -36,11 +38,10 @@ def pretrained_moe(tmp_path_factory):
 
 
 def finetune(pretrained) -> tuple[str, ...]:
-    return (
-        f"--model.init_args.pretrained={pretrained}",
-        "--model.init_args.config=null",
-        f"--model.init_args.lora={json.dumps(LORA)}",
-    )
+    """The MoE guide's LoRA command's overrides (adapters on q, v and the experts of `pretrained`)."""
+    command, flag, config, *overrides = parallelkit_args("moe-lora", 0, **{"/data/qwen3-moe": str(pretrained)})
+    assert (command, flag, config) == ("fit", "--config", f"configs/{CONFIG}")
+    return tuple(overrides)
 
 
 @pytest.fixture(scope="module")
@@ -73,7 +74,8 @@ def test_lora_on_the_experts_trains_as_peft_in_one_process(tmp_path, corpus, pre
     from parallelkit.checkpoint import consolidate
 
     ckpt = tmp_path / "ckpt" / "epoch=0-step=20.ckpt"
-    assert_ok(parallelkit("export-hf", str(ckpt), str(tmp_path / "adapters"), "--adapters", cwd=tmp_path))
+    place = {"runs/moe/version_0/checkpoints/epoch=0-step=200.ckpt": str(ckpt), "/data/qwen3-moe-adapter": "adapters"}
+    assert_ok(parallelkit(*parallelkit_args("moe-lora", 1, **place), cwd=tmp_path))  # the guide's export
     assert_ok(parallelkit("export-hf", str(ckpt), str(tmp_path / "merged"), cwd=tmp_path))
     model = HFCausalLM(pretrained=str(pretrained_moe), lora=LORA)
     missing, unexpected = model.load_state_dict(
@@ -81,7 +83,7 @@ def test_lora_on_the_experts_trains_as_peft_in_one_process(tmp_path, corpus, pre
     )
     assert not unexpected and all(not model.get_parameter(n).requires_grad for n in missing)
     config = json.loads((tmp_path / "adapters" / "adapter_config.json").read_text())
-    assert config["target_parameters"] == ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"], config
+    assert config["target_parameters"] == ["experts.gate_up_proj", "experts.down_proj"], config
     tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
     base = AutoModelForCausalLM.from_pretrained(pretrained_moe)
     with torch.no_grad():
