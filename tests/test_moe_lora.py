@@ -9,7 +9,17 @@ import pytest
 import torch
 import yaml
 from snippets import parallelkit_args
-from support import REPO, assert_ok, assert_same_losses, checkpoint_every, common, fit, parallelkit, step_losses
+from support import (
+    REPO,
+    assert_ok,
+    assert_same_losses,
+    callback,
+    checkpoint_every,
+    common,
+    fit,
+    parallelkit,
+    step_losses,
+)
 from test_moe import LAYOUTS as MOE_LAYOUTS
 
 from parallelkit.errors import ConfigError
@@ -60,14 +70,20 @@ def test_lora_on_the_experts_trains_as_peft_in_one_process(tmp_path, corpus, pre
     """Adapters on q, v and on each expert's gate/up and down projections, on [[4], ["ep"]] and [[2, 2], ["fsdp",
     "ep"]] (each rank holding its experts' adapters with them): per-step losses equal transformers + PEFT's in one
     process (fp32, 1e-5); the fsdp x ep run's step-20 adapters, exported with `export-hf --adapters`, load into
-    transformers with PEFT and give parallelkit's logits, and merged by `export-hf` give them too (1e-5)."""
-    save = checkpoint_every(tmp_path / "ckpt", 20)
-    assert_ok(
-        fit(CONFIG, tmp_path, *common(corpus, tmp_path / "cache"), *finetune(pretrained_moe), *LAYOUTS[layout], save)
-    )
-    assert_same_losses(peft_losses, step_losses(tmp_path))
+    transformers with PEFT and give parallelkit's logits, and merged by `export-hf` give them too (1e-5). Its step-10
+    checkpoint (the adapters and their AdamW state, each expert's once) resumes on [[4], ["ep"]], each rank taking
+    its experts' adapters: steps 10 and 11 are PEFT's too."""
+    save = checkpoint_every(tmp_path / "ckpt", 10)
+    run = (*common(corpus, tmp_path / "cache"), *finetune(pretrained_moe))
+    assert_ok(fit(CONFIG, tmp_path / "log", *run, *LAYOUTS[layout], save))
+    assert_same_losses(peft_losses, step_losses(tmp_path / "log"))
     if layout != "fsdp_ep":
         return
+    resume = (f"--ckpt_path={tmp_path / 'ckpt' / 'epoch=0-step=10.ckpt'}", callback("models.StopAfter", step=12))
+    assert_ok(fit(CONFIG, tmp_path / "resumed", *run, *LAYOUTS["ep4"], *resume))
+    resumed = step_losses(tmp_path / "resumed")
+    assert sorted(resumed) == [10, 11]
+    assert_same_losses({step: peft_losses[step] for step in resumed}, resumed)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
