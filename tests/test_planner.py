@@ -400,6 +400,23 @@ def test_a_lora_model_has_gradients_and_optimizer_state_for_its_adapters_only():
         assert base.grads == base.params and params > 20 * (adapter_a + adapter_b)
 
 
+def test_adapters_on_experts_are_counted_as_experts_with_gradients_and_optimizer_state():
+    """Rank-4 adapters on q and on the experts' stacked up and down projections of a 2 x 64 GPT with 4 experts, on
+    [[2, 2], ["fsdp", "ep"]]: the weights are the model's plus the adapters' (each expert's pair with its expert,
+    divided over ep, sharded over fsdp), gradients and AdamW's moments the adapters' alone."""
+    sizes = {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_expert": 4, "top_k": 2}
+    lora = {"rank": 4, "targets": ["attn.q", "experts.up", "experts.down"]}
+    with torch.device("meta"):
+        full, adapted_model = GPT(**sizes), GPT(**sizes, lora=lora)
+    adapters = sum(p.numel() for p in adapted_model.parameters() if p.requires_grad)
+    expert_adapters = sum(p.numel() for n, p in adapted_model.named_parameters() if "experts" in n and p.requires_grad)
+    assert expert_adapters == 2 * 4 * 4 * (64 + 256) * 2  # layers x experts x rank x (in + out) x (up, down)
+    mesh, work, hw = MeshSpec((2, 2), ("fsdp", "ep")), Workload(seq_len=32, micro_batch=2), Hardware(1, 4, 80e9)
+    base, adapted = (estimate(profile(m, 32), mesh, work, hw) for m in (full, adapted_model))
+    assert adapted.params == base.params + 4 * adapters / 4
+    assert adapted.grads == 4 * adapters / 4 and adapted.optimizer == 8 * adapters / 4
+
+
 def test_a_cp_axis_divides_activations_and_shards_and_adds_its_attention_traffic():
     """[[2, 2], ["fsdp", "cp"]] against [[2, 1]] (fsdp alone): parameters, gradients and optimizer state sharded four
     ways, as [[4, 1]] shards them; each rank's activations and compute halved (its half of every sequence); the cp
