@@ -72,7 +72,8 @@ def test_lora_on_the_experts_trains_as_peft_in_one_process(tmp_path, corpus, pre
     process (fp32, 1e-5); the fsdp x ep run's step-20 adapters, exported with `export-hf --adapters`, load into
     transformers with PEFT and give parallelkit's logits, and merged by `export-hf` give them too (1e-5). Its step-10
     checkpoint (the adapters and their AdamW state, each expert's once) resumes on [[4], ["ep"]], each rank taking
-    its experts' adapters: steps 10 and 11 are PEFT's too."""
+    its experts' adapters: steps 10 and 11 are PEFT's too. A run started from the exported adapters
+    (`lora.init_from`, in one process and on ep 4) holds them bit for bit; other ranks or targets are refused."""
     save = checkpoint_every(tmp_path / "ckpt", 10)
     run = (*common(corpus, tmp_path / "cache"), *finetune(pretrained_moe))
     assert_ok(fit(CONFIG, tmp_path / "log", *run, *LAYOUTS[layout], save))
@@ -110,6 +111,23 @@ def test_lora_on_the_experts_trains_as_peft_in_one_process(tmp_path, corpus, pre
     assert (expected - untuned).abs().max() > 1e-3  # the adapters changed the model: the comparison can fail
     torch.testing.assert_close(by_peft, expected, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(merged, expected, rtol=1e-5, atol=1e-5)
+
+    # Continuing the exported adapters (`lora.init_from`): in one process, and sharded on [[4], ["ep"]] (one step at
+    # lr 0, saved: the adapters as they were read), parallelkit's adapters are the exported ones, bit for bit.
+    exported = {name: p.detach() for name, p in model.named_parameters() if p.requires_grad}
+    continued = HFCausalLM(pretrained=str(pretrained_moe), lora={**LORA, "init_from": str(tmp_path / "adapters")})
+    assert all(torch.equal(p, exported[name]) for name, p in continued.named_parameters() if p.requires_grad)
+    start = (f"--model.init_args.lora.init_from={tmp_path / 'adapters'}", "--model.init_args.lr=0")
+    first = (callback("models.StopAfter", step=1), checkpoint_every(tmp_path / "continued", 1))
+    assert_ok(fit(CONFIG, tmp_path / "continue", *run, *LAYOUTS["ep4"], *start, *first))
+    read = torch.load(consolidate(tmp_path / "continued" / "epoch=0-step=1.ckpt", tmp_path / "c.pt"), weights_only=True)
+    assert read.keys() == exported.keys() and all(torch.equal(read[k], exported[k]) for k in read)
+    for lora, refusal in (
+        ({**LORA, "rank": 8}, r"r=4, lora_alpha=8; this run's lora.rank=8, lora.alpha=8\. Fix: the same rank"),
+        ({**LORA, "targets": ["q_proj", "v_proj"]}, r"holds .*experts.*which lora.targets does not adapt.*Fix:"),
+    ):
+        with pytest.raises(ConfigError, match=refusal):
+            HFCausalLM(pretrained=str(pretrained_moe), lora={**lora, "init_from": str(tmp_path / "adapters")})
 
 
 def test_adapters_go_on_each_experts_parameter_and_what_cannot_be_adapted_is_named():

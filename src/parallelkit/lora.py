@@ -68,6 +68,9 @@ class LoRA:
             needs torchao), the adapters in the training precision. None: the base stays as built.
         quantize_others: With `quantize_base`, every other linear layer but the output layer stored in 4 bits too
             (frozen, without adapters); embeddings, norms and the output layer stay in the training precision.
+        init_from: A PEFT adapter directory (`adapter_config.json`, `adapter_model.safetensors`: what
+            `export-hf --adapters` and `PeftModel.save_pretrained` write) the adapters start from instead of A's draw
+            and B's zeros, to continue it: the same targets, rank and alpha. `HFCausalLM` reads it.
     """
 
     rank: int = 8
@@ -76,6 +79,7 @@ class LoRA:
     targets: list[str] | str = field(default_factory=lambda: ALL_LINEAR)
     quantize_base: str | None = None
     quantize_others: bool = False
+    init_from: str | None = None
 
     def __post_init__(self) -> None:
         problems = []

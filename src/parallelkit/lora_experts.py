@@ -11,10 +11,12 @@ frozen; only the adapters have gradients and optimizer state.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -23,6 +25,7 @@ from torch.distributed.tensor import distribute_tensor
 
 from parallelkit.compat import registered_parameters
 from parallelkit.contract import EXPERT_WEIGHTS_HOOK, matches_suffix
+from parallelkit.errors import ConfigError
 
 SUFFIXES = ("_lora_A", "_lora_B")
 """What an experts parameter's adapters are named after it: `gate_up_proj_lora_A`, `gate_up_proj_lora_B`."""
@@ -162,25 +165,100 @@ def expert_targets(targets: list[str] | str, names: list[str]) -> dict[str, list
     return {owner: sorted(attrs, key=lambda attr: (order(owner, attr), attr)) for owner, attrs in found.items()}
 
 
+def peft_key(name: str, nesting: dict[str, list[str]]) -> str:
+    """PEFT's name of the adapter `name` (parallelkit's), without PEFT's `base_model.model.` prefix and adapter name:
+    `<module>.lora_A.weight` for a linear layer's; for an experts parameter's, on the parameter's wrapper:
+    `<experts>.lora_A.weight` for the last targeted parameter of the module (`nesting`: `expert_targets`) and one
+    more `base_layer.` for each before it."""
+    owner, _, stem = name.rpartition(".")
+    if stem in DENSE_ADAPTERS:
+        return f"{name}.weight"
+    attr, _, part = stem.rpartition("_lora_")
+    order = nesting[owner]
+    return f"{owner}.{'base_layer.' * (len(order) - 1 - order.index(attr))}lora_{part}.weight"
+
+
+def to_peft(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """An adapter's whole tensor as PEFT lays it out: a linear layer's as it is; an experts parameter's [E, out, in]
+    adapters as A [E*r, in] (expert e's rows together) and B [out, r*E] (its columns interleaved, `B[:, e::E]`)."""
+    stem = name.rpartition(".")[2]
+    if stem in DENSE_ADAPTERS:
+        return tensor
+    if stem.endswith("_lora_A"):
+        return tensor.reshape(-1, tensor.shape[-1]).contiguous()
+    return tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1).contiguous()
+
+
+def from_peft(name: str, tensor: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """`to_peft`'s inverse: PEFT's tensor for the adapter `name` of `shape` (parallelkit's)."""
+    stem = name.rpartition(".")[2]
+    if stem in DENSE_ADAPTERS:
+        return tensor.reshape(shape)
+    experts, rows, columns = shape
+    if stem.endswith("_lora_A"):  # [E, r, in] from [E*r, in]
+        return tensor.reshape(experts, rows, columns)
+    return tensor.reshape(rows, columns, experts).permute(2, 0, 1)  # [E, out, r] from [out, r*E]
+
+
 def peft_names(adapters: dict[str, torch.Tensor], targets: list[str] | str) -> dict[str, torch.Tensor]:
-    """`adapters` (name -> whole tensor, parallelkit's names and shapes) as PEFT names and lays them out, without
-    PEFT's `base_model.model.` prefix and adapter name: `<module>.lora_A.weight` for a linear layer's; for an experts
-    parameter [E, out, in], A [E*r, in] (expert e's rows together) and B [out, r*E] (its columns interleaved,
-    `B[:, e::E]`) on the parameter's wrapper, `<experts>.lora_A.weight` for the last targeted parameter of the
-    module and one more `base_layer.` for each before it."""
+    """`adapters` (name -> whole tensor, parallelkit's names and shapes) under PEFT's names and in its layout
+    (`peft_key`, `to_peft`)."""
     nesting = expert_targets(targets, list(adapters))
-    out = {}
-    for name, tensor in adapters.items():
-        owner, _, stem = name.rpartition(".")
-        if stem in DENSE_ADAPTERS:
-            out[f"{name}.weight"] = tensor
-            continue
-        attr, _, part = stem.rpartition("_lora_")
-        order = nesting[owner]
-        wrappers = "base_layer." * (len(order) - 1 - order.index(attr))
-        if part == "A":
-            value = tensor.reshape(-1, tensor.shape[-1])
-        else:
-            value = tensor.permute(1, 2, 0).reshape(tensor.shape[1], -1)
-        out[f"{owner}.{wrappers}lora_{part}.weight"] = value.contiguous()
-    return out
+    return {peft_key(name, nesting): to_peft(name, tensor) for name, tensor in adapters.items()}
+
+
+PEFT_PREFIX = "base_model.model."
+"""Where a `peft.PeftModel` holds the transformers model: its adapter keys are `<prefix><module>.lora_A.weight`."""
+
+
+def read_peft_adapters(
+    directory: str | Path, model: nn.Module, targets: list[str] | str, rank: int, alpha: float
+) -> None:
+    """Set the adapters of `model` (a transformers model holding parallelkit's adapters of `rank` and `alpha` on
+    `targets`) to those of the PEFT adapter directory `directory`, each rank its shards (`lora.init_from`). Read
+    from safetensors and JSON only: nothing in the directory runs. Raises ConfigError for a directory whose rank or
+    alpha differ, that lacks one of the adapters or holds others, or whose shapes differ, naming it."""
+    from safetensors import safe_open
+
+    directory = Path(directory)
+    config_path, weights_path = directory / "adapter_config.json", directory / "adapter_model.safetensors"
+    for path in (config_path, weights_path):
+        if not path.is_file():
+            raise ConfigError(
+                f"lora.init_from={directory}: no {path.name} there. Fix: a PEFT adapter directory (what export-hf "
+                "--adapters or PeftModel.save_pretrained writes)."
+            )
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"lora.init_from={directory}: {config_path.name} is not JSON ({err}).") from err
+    theirs = config.get("r"), config.get("lora_alpha")
+    if theirs != (rank, alpha):
+        r, a = (f"{v:g}" if isinstance(v, (int, float)) else repr(v) for v in theirs)
+        raise ConfigError(
+            f"lora.init_from={directory}: its adapters have r={r}, lora_alpha={a}; this run's lora.rank={rank}, "
+            f"lora.alpha={alpha:g}. Fix: the same rank and alpha as the adapters'."
+        )
+    params = {n: p for n, p in model.named_parameters() if n.rpartition(".")[2].endswith(DENSE_ADAPTERS)}
+    nesting = expert_targets(targets, list(params))
+    with safe_open(str(weights_path), framework="pt") as f:
+        held = set(f.keys())
+        wanted = {PEFT_PREFIX + peft_key(name, nesting): name for name in params}
+        missing, extra = sorted(set(wanted) - held), sorted(held - set(wanted))
+        if missing or extra:
+            problem = f"has no {missing[0]}" if missing else f"holds {extra[0]}, which lora.targets does not adapt"
+            raise ConfigError(
+                f"lora.init_from={directory}: {weights_path.name} {problem} ({len(missing)} missing, {len(extra)} "
+                f"more). Fix: lora.targets as the adapters were trained with (theirs: target_modules="
+                f"{config.get('target_modules')}, target_parameters={config.get('target_parameters')})."
+            )
+        for key, name in wanted.items():
+            param, tensor = params[name], f.get_tensor(key)
+            expected = tuple(to_peft(name, torch.empty(param.shape, device="meta")).shape)
+            if tuple(tensor.shape) != expected:
+                raise ConfigError(
+                    f"lora.init_from={directory}: {key} is {list(tensor.shape)}; {name} needs {list(expected)}. Fix: "
+                    "adapters of this model (the same sizes and number of experts)."
+                )
+            with torch.no_grad():
+                _set_values(param, from_peft(name, tensor, param.shape).to(param.dtype))

@@ -28,6 +28,7 @@ from parallelkit.lora import (
     quantize_base,
     reset_adapters,
 )
+from parallelkit.lora_experts import read_peft_adapters
 from parallelkit.models.hf_attention import use_split_attention
 from parallelkit.models.hf_config import _transformers, build_config
 from parallelkit.models.hf_convert import ConvertedWeights
@@ -161,6 +162,9 @@ class HFCausalLM(HFPlanMixin, HFStagesMixin, CausalLM):
             hf_initialize(self.model)
             self._keep_constructed_values()
         reset_adapters(self)  # after transformers' initialisation, which knows nothing of them
+        lora = as_lora(self.hparams.get("lora"))
+        if lora is not None and lora.init_from:  # continuing adapters saved in PEFT's format
+            read_peft_adapters(lora.init_from, self.model, lora.targets, lora.rank, lora.alpha)
 
     def _keep_constructed_values(self) -> None:
         """Parameters transformers' `_init_weights` does not set (a learnable activation's scalars, which its

@@ -32,7 +32,7 @@ from parallelkit.contract import matches_suffix
 from parallelkit.errors import ConfigError
 from parallelkit.init import tied_parameters
 from parallelkit.lora import is_adapter
-from parallelkit.lora_experts import adapted_weight, adapter_keys, peft_names
+from parallelkit.lora_experts import PEFT_PREFIX, adapted_weight, adapter_keys, peft_names
 from parallelkit.models.hf_convert import ConvertedWeights
 from parallelkit.models.hf_io import INDEX, WEIGHTS, SafetensorsWeights
 
@@ -279,8 +279,6 @@ def _write_weights(staging: Path, names: list[str], tensors: _Tensors, max_shard
 
 PEFT_WEIGHTS = "adapter_model.safetensors"
 PEFT_CONFIG = "adapter_config.json"
-PEFT_PREFIX = "base_model.model."
-"""Where a `peft.PeftModel` holds the transformers model: its adapter keys are `<prefix><module>.lora_A.weight`."""
 
 
 def _write_adapters(
