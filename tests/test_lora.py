@@ -281,6 +281,7 @@ def test_hf_model_takes_lora_from_the_config_and_keeps_the_base_frozen_on_meta_t
         **LORA,
         "quantize_base": None,
         "quantize_others": False,
+        "init_from": None,
     }  # plain values: a checkpoint's hyperparameters load with weights_only=True
     assert sum(p.requires_grad for p in model.parameters()) == 16
 
