@@ -207,9 +207,10 @@ def replay(tmp_path, corpus, schedule: list[list[int]]) -> dict[int, float]:
 
 def test_a_killed_group_comes_back_healed_from_the_survivor_and_both_equal_a_one_process_replay(tmp_path, corpus):
     """Group 1 SIGKILLed at step 6, once between steps and once inside the gradients' all-reduce, then launched
-    again. Group 0 never stops: it commits each of its 20 steps exactly once (torchft's committed count 1..20
-    against Lightning's steps), alone from the kill until group 1 is back. Killed inside the all-reduce, the step
-    is tried again on the same batch with the groups left. Group 1 comes back at the step group 0 is at: it copies
+    again. Group 0 trains on alone from the kill (it is held at step 12 until group 1's relaunch has started: a
+    forked one starts in well under a second) and commits each of its 20 steps exactly once (torchft's committed
+    count 1..20 against Lightning's steps). Killed inside the all-reduce, the step is tried again on the same batch
+    with the groups left. Group 1 comes back at the step group 0 is at: it copies
     group 0's model, optimizer and training position and continues from there (its first logged step is that one,
     committed once); both end with bit-identical parameters and AdamW state. Every step's loss (the job's: both
     groups log it) equals that of one process fed exactly the rows of the groups that took part (logged as
@@ -222,8 +223,8 @@ def test_a_killed_group_comes_back_healed_from_the_survivor_and_both_equal_a_one
         groups = step_losses(logs["survivor"], "ft/groups")
         schedule = [[g for g in (0, 1) if int(groups[step]) >> g & 1] for step in range(20)]
         rejoined = step_losses(logs["returned"], "ft/committed_steps")
-        back = min(rejoined)  # the step group 1 came back at: 12, or 13 if group 0 asked for its quorum first
-        assert schedule == [[0, 1]] * 6 + [[0]] * (back - 6) + [[0, 1]] * (20 - back) and back in (12, 13), schedule
+        back = min(rejoined)  # the step group 1 came back at: 12, or later if group 0 asked for a quorum first
+        assert schedule == [[0, 1]] * 6 + [[0]] * (back - 6) + [[0, 1]] * (20 - back) and 12 <= back < 20, schedule
         assert list(rejoined.items()) == [(step, float(step + 1)) for step in range(back, 20)], rejoined
         copied = {log: set(step_losses(logs[log], "ft/copied_steps").values()) for log in ("survivor", "returned")}
         assert copied == {"survivor": {0.0}, "returned": {float(back)}}, copied
