@@ -668,18 +668,22 @@ class StartTogether(L.Callback):
 
 
 class HoldAt(L.Callback):
-    """Holds rank 0 at the start of step `step` until `path` exists (at most 120 s): a replica group that trains on
-    alone until another, restarted after a kill, is back (it creates `path` as its fit starts: `Touch`),
-    so that the test sees it return mid-run however long its start takes."""
+    """Holds rank 0 at the start of step `step` until `path` exists (at most 120 s), then `after` seconds more: a
+    replica group that trains on alone until another, restarted after a kill, is back (it creates `path` as its fit
+    starts, `Touch`, and asks for its first quorum right after), so that the test sees it return mid-run however long
+    its start takes."""
 
-    def __init__(self, step: int, path: str) -> None:
-        self.step, self.path = step, Path(path)
+    def __init__(self, step: int, path: str, after: float = 0.0) -> None:
+        self.step, self.path, self.after = step, Path(path), after
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        if trainer.global_step != self.step or trainer.global_rank != 0:
+            return
         deadline = time.monotonic() + 120
-        while trainer.global_step == self.step and trainer.global_rank == 0 and not self.path.exists():
+        while not self.path.exists():
             assert time.monotonic() < deadline, f"{self.path} never appeared"
             time.sleep(0.02)
+        time.sleep(self.after)
 
 
 class Touch(L.Callback):

@@ -164,7 +164,7 @@ def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
     survivor = (
         together,
         callback("models.Touch", path=str(alone), step=10),
-        callback("models.HoldAt", step=12, path=str(back)),
+        callback("models.HoldAt", step=12, path=str(back), after=2.0),  # its join request comes right after
     )
     killed = (together, callback("models.KillGroupAt", step=6, when=when))
     with running_lighthouse(tmp_path, "--min-groups", "1", "--heartbeat-timeout-ms", "1000") as address:
