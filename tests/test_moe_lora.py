@@ -32,7 +32,8 @@ QWEN3_MOE = yaml.safe_load((REPO / "configs" / CONFIG).read_text())["model"]["in
 LORA = {"rank": 4, "alpha": 8, "targets": ["q_proj", "v_proj", "experts.gate_up_proj", "experts.down_proj"]}
 """The MoE guide's adapters (its LoRA command), for the models built here."""
 ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")
-LAYOUTS = {name: MOE_LAYOUTS[name] for name in ("ep4", "fsdp_ep", "1f1b_pp_ep")}  # the MoE guide's commands
+LAYOUTS = MOE_LAYOUTS
+"""The MoE guide's five layouts: [[2, 2], ["fsdp", "ep"]], [[4], ["ep"]], ep x tp, 1F1B pp x ep, ep x cp."""
 
 
 @pytest.fixture(scope="module")
@@ -67,13 +68,14 @@ def peft_losses(tmp_path_factory, corpus, pretrained_moe):
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_lora_on_the_experts_trains_as_peft_in_one_process(tmp_path, corpus, pretrained_moe, peft_losses, layout):
-    """Adapters on q, v and on each expert's gate/up and down projections, on [[4], ["ep"]] and [[2, 2], ["fsdp",
-    "ep"]] (each rank holding its experts' adapters with them): per-step losses equal transformers + PEFT's in one
-    process (fp32, 1e-5); the fsdp x ep run's step-20 adapters, exported with `export-hf --adapters`, load into
-    transformers with PEFT and give parallelkit's logits, and merged by `export-hf` give them too (1e-5). Its step-10
-    checkpoint (the adapters and their AdamW state, each expert's once) resumes on [[4], ["ep"]], each rank taking
-    its experts' adapters: steps 10 and 11 are PEFT's too. A run started from the exported adapters
-    (`lora.init_from`, in one process and on ep 4) holds them bit for bit; other ranks or targets are refused."""
+    """Adapters on q, v and on each expert's gate/up and down projections, on each of the MoE guide's layouts (each
+    rank holding its experts' adapters with them; tp and cp ranks the same ones): per-step losses equal transformers
+    + PEFT's in one process (fp32, 1e-5). The fsdp x ep run's step-20 adapters, exported with `export-hf
+    --adapters`, load into transformers with PEFT and give parallelkit's logits, and merged by `export-hf` give them
+    too (1e-5). Its step-10 checkpoint (the adapters and their AdamW state, each expert's once) resumes on [[4],
+    ["ep"]], each rank taking its experts' adapters: steps 10 and 11 are PEFT's too. A run started from the exported
+    adapters (`lora.init_from`, in one process and on ep 4) holds them bit for bit; other ranks or targets are
+    refused."""
     save = checkpoint_every(tmp_path / "ckpt", 10)
     run = (*common(corpus, tmp_path / "cache"), *finetune(pretrained_moe))
     assert_ok(fit(CONFIG, tmp_path / "log", *run, *LAYOUTS[layout], save))
