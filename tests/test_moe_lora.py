@@ -69,8 +69,8 @@ def peft_losses(tmp_path_factory, corpus, pretrained_moe):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_lora_on_the_experts_trains_as_peft_in_one_process(tmp_path, corpus, pretrained_moe, peft_losses, layout):
     """Adapters on q, v and on each expert's gate/up and down projections, on each of the MoE guide's layouts (each
-    rank holding its experts' adapters with them; tp and cp ranks the same ones): per-step losses equal transformers
-    + PEFT's in one process (fp32, 1e-5). The fsdp x ep run's step-20 adapters, exported with `export-hf
+    rank holding its experts' adapters as it holds them: whole on tp ranks, sharded over cp): per-step losses equal
+    transformers + PEFT's in one process (fp32, 1e-5). The fsdp x ep run's step-20 adapters, exported with `export-hf
     --adapters`, load into transformers with PEFT and give parallelkit's logits, and merged by `export-hf` give them
     too (1e-5). Its step-10 checkpoint (the adapters and their AdamW state, each expert's once) resumes on [[4],
     ["ep"]], each rank taking its experts' adapters: steps 10 and 11 are PEFT's too. A run started from the exported
