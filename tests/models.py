@@ -665,6 +665,7 @@ class StartTogether(L.Callback):
         deadline = time.monotonic() + 120
         while len(list(self.directory.iterdir())) < self.count and time.monotonic() < deadline:
             time.sleep(0.02)
+        time.sleep(0.5)  # every group's heartbeat (each 100 ms) at the lighthouse before any asks for a quorum
 
 
 class HoldAt(L.Callback):
