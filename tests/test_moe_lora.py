@@ -134,8 +134,8 @@ def test_lora_on_the_experts_trains_as_peft_in_one_process(tmp_path, corpus, pre
 
 def test_adapters_go_on_each_experts_parameter_and_what_cannot_be_adapted_is_named():
     """`mlp.experts.gate_up_proj` adapts every layer's stacked gate/up parameter [E, 2I, H]: A [E, r, H], B [E, 2I, r]
-    beside it, trainable, the base frozen; the experts module named instead, dropout, or a 4-bit base are refused
-    naming the fix."""
+    beside it, trainable, the base frozen; the experts module named instead, dropout, a 4-bit base, and a 3-D
+    parameter of a module that does not follow the experts contract are refused naming the fix."""
     model = HFCausalLM(QWEN3_MOE, lora=LORA)
     assert expert_parameters(model)[:2] == [
         "model.model.layers.0.mlp.experts.gate_up_proj",
@@ -155,6 +155,18 @@ def test_adapters_go_on_each_experts_parameter_and_what_cannot_be_adapted_is_nam
             r"adapters go on torch.nn.Linear layers and on experts' stacked parameters.*mlp.experts.gate_up_proj",
         ),
         ({**LORA, "dropout": 0.1}, r"adapters on experts' parameters take no dropout.*Fix: lora.dropout: 0"),
+        (
+            {**LORA, "quantize_base": "nf4"},
+            r"quantize_base=nf4: .*their base is not quantized yet.*quantize_base: null",
+        ),
     ):
         with pytest.raises(ConfigError, match=expected):
             add_adapters(HFCausalLM(QWEN3_MOE), lora)
+
+    class Stacked(torch.nn.Module):  # a stack of 4 matrices, but no experts module: no num_experts
+        def __init__(self) -> None:
+            super().__init__()
+            self.mixer = torch.nn.Parameter(torch.zeros(4, 8, 8))
+
+    with pytest.raises(ConfigError, match=r"names mixer \[4, 8, 8\] of Stacked, which is not an experts param.*Fix:"):
+        add_adapters(Stacked(), {"targets": ["mixer"]})

@@ -39,7 +39,7 @@ from torch import nn
 from torch.distributed.tensor import Placement, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel, parallelize_module
 
-from parallelkit.contract import declared_plan, matches, matches_suffix
+from parallelkit.contract import EXPERTS_CONTRACT, declared_plan, matches, matches_suffix
 from parallelkit.errors import ConfigError
 from parallelkit.lora_experts import adapt_experts, expert_parameters
 from parallelkit.quantize import is_nf4, nf4_available, release_freed_memory, to_nf4
@@ -225,6 +225,16 @@ def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[s
             found = [n for n, _ in named if matches_suffix(pattern, n)]
             parameters = [n for n in stacked if matches_suffix(pattern, n)]
             if not found and not parameters:
+                other = next((n for n, p in model.named_parameters() if matches_suffix(pattern, n)), None)
+                if other is not None:  # a parameter, but not one an adapter can go on
+                    owner = model.get_submodule(other.rpartition(".")[0]) if "." in other else model
+                    raise ConfigError(
+                        f"lora.targets entry {pattern!r} names {other} {list(model.get_parameter(other).shape)} of "
+                        f"{type(owner).__name__}, which is not an experts parameter: adapters go on torch.nn.Linear "
+                        f"layers and on the stacked parameters of an experts module ({EXPERTS_CONTRACT.split(':')[0]}: "
+                        "a num_experts attribute equal to their first dimension). Fix: target that module's linear "
+                        "layers, or give the module num_experts and its parameters the experts' first dimension."
+                    )
                 linear = [n for n, m in named if isinstance(m, nn.Linear)]
                 leaves = sorted({n.rpartition(".")[2] for n in linear})
                 raise ConfigError(
