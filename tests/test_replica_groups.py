@@ -72,6 +72,17 @@ def running_lighthouse(directory, *options: str):
     assert job.wait(timeout=30) == 0, job.stderr()
 
 
+@contextlib.contextmanager
+def none_left(jobs: list):
+    """`jobs` (appended to as the block goes on), each still running when the block ends killed."""
+    try:
+        yield jobs
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+
+
 @pytest.fixture(scope="module")
 def lighthouse(tmp_path_factory):
     """A lighthouse for 2 groups: no quorum forms until both have joined."""
@@ -168,11 +179,11 @@ def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
     )
     killed = (together, callback("models.KillGroupAt", step=6, when=when))
     with running_lighthouse(tmp_path, "--min-groups", "1", "--heartbeat-timeout-ms", "1000") as address:
-        jobs = [
+        first = [
             launch(group_args(corpus, logs["survivor"], 0, address, *survivor), cwd=tmp_path),
             launch(group_args(corpus, logs["killed"], 1, address, *killed), cwd=tmp_path),
         ]
-        try:
+        with none_left(first) as jobs:
             assert jobs[1].wait(timeout=180) == -signal.SIGKILL, jobs[1].stderr()[-4000:]
             deadline = time.monotonic() + 180
             while not alone.exists():
@@ -182,10 +193,6 @@ def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
             jobs.append(launch(group_args(corpus, logs["returned"], 1, address, returned), cwd=tmp_path))
             for job in (jobs[0], jobs[2]):
                 assert job.wait(timeout=180) == 0, job.stderr()[-4000:]
-        finally:
-            for job in jobs:
-                if job.poll() is None:
-                    job.kill()
     return logs
 
 
@@ -261,13 +268,8 @@ def test_every_group_restarted_after_a_kill_during_a_save_resumes_exactly_the_fu
         with running_lighthouse(tmp_path, "--min-groups", groups, "--heartbeat-timeout-ms", "1000") as address:
             together = callback("models.StartTogether", directory=str(tmp_path / attempt), count=2)
             run = [group_args(corpus, logs[g], g, address, together, saves[g], extra[g]) for g in (0, 1)]
-            jobs = [launch(command, cwd=tmp_path) for command in run]
-            try:
+            with none_left([launch(command, cwd=tmp_path) for command in run]) as jobs:
                 codes = [job.wait(timeout=180) for job in jobs]
-            finally:
-                for job in jobs:
-                    if job.poll() is None:
-                        job.kill()
             if attempt == "killed":
                 assert codes[0] == -signal.SIGKILL and codes[1] != 0, [job.stderr()[-3000:] for job in jobs]
                 assert sorted(p.name for p in (logs[1] / "ckpt").iterdir()) == [
@@ -309,12 +311,7 @@ def test_groups_launched_wrong_together_both_fail_naming_why_without_hanging(tmp
             group_args(corpus, base / f"launch{i}", g, lighthouse, together, *extra)
             for i, (g, extra) in enumerate(groups)
         ]
-        jobs = [launch(command, cwd=tmp_path) for command in commands]
-        try:
+        with none_left([launch(command, cwd=tmp_path) for command in commands]) as jobs:
             codes = [job.wait(timeout=120) for job in jobs]
-        finally:
-            for job in jobs:
-                if job.poll() is None:
-                    job.kill()
         for code, job in zip(codes, jobs):
             assert code != 0 and re.search(expected[case], job.stderr()), (case, job.stderr()[-3000:])

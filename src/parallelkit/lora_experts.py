@@ -21,11 +21,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.tensor import distribute_tensor
 
 from parallelkit.compat import registered_parameters
 from parallelkit.contract import EXPERT_WEIGHTS_HOOK, matches_suffix
 from parallelkit.errors import ConfigError
+from parallelkit.init import set_whole
 
 SUFFIXES = ("_lora_A", "_lora_B")
 """What an experts parameter's adapters are named after it: `gate_up_proj_lora_A`, `gate_up_proj_lora_B`."""
@@ -56,19 +56,8 @@ class ExpertAdapter:
         generator = torch.Generator().manual_seed(self.seed)
         bound = 1 / math.sqrt(a.shape[-1])
         values = torch.empty(a.shape, dtype=a.dtype).uniform_(-bound, bound, generator=generator)
-        _set_values(a, values)
-        _set_values(b, torch.zeros(b.shape, dtype=b.dtype))
-
-
-def _set_values(param: torch.Tensor, values: torch.Tensor) -> None:
-    """Copy whole `values` into `param`, a plain tensor or a DTensor (its local shard's part of them)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(param, DTensor):
-        values = distribute_tensor(values.to(param.device), param.device_mesh, param.placements, src_data_rank=None)
-        param.to_local().copy_(values.to_local())
-    else:
-        param.copy_(values)
+        set_whole(a, values.to(a.device))
+        set_whole(b, torch.zeros(b.shape, dtype=b.dtype, device=b.device))
 
 
 def adapt_experts(module: nn.Module, names: list[str], rank: int, scaling: float, seeds: list[int]) -> None:
@@ -261,4 +250,4 @@ def read_peft_adapters(
                     "adapters of this model (the same sizes and number of experts)."
                 )
             with torch.no_grad():
-                _set_values(param, from_peft(name, tensor, param.shape).to(param.dtype))
+                set_whole(param, from_peft(name, tensor, param.shape).to(param.device, param.dtype))
