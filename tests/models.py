@@ -481,17 +481,22 @@ class FirstBatch(L.Callback):
 
 class NF4Shards(L.Callback):
     """Writes out_dir/rank<r>.pt as training starts: the inner tensors of this rank's shard of every NF4 weight (its
-    codes, per-block scales, scaler factors and mean), by parameter name."""
+    codes, per-block scales, scaler factors and mean), by parameter name; of an experts parameter stored in NF4
+    (`..._nf4`), this rank's rows and the first one's index."""
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir
 
     def on_train_start(self, trainer, pl_module) -> None:
-        from parallelkit.quantize import is_nf4
+        from parallelkit.compat import local_box
+        from parallelkit.quantize import EXPERTS_SUFFIX, is_nf4
 
         shards = {}
         for name, param in pl_module.named_parameters():
-            if is_nf4(param):
+            if name.endswith(EXPERTS_SUFFIX):
+                rows, offsets = local_box(param)
+                shards[name] = {"rows": rows.clone(), "first": offsets[0]}
+            elif is_nf4(param):
                 local = param.to_local() if isinstance(param, DTensor) else param
                 inner = ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean")
                 shards[name] = {key: getattr(local, key).clone() for key in inner}

@@ -132,10 +132,67 @@ def test_lora_on_the_experts_trains_as_peft_in_one_process(tmp_path, corpus, pre
             HFCausalLM(pretrained=str(pretrained_moe), lora={**lora, "init_from": str(tmp_path / "adapters")})
 
 
+QWEN3_MOE_NF4 = {**QWEN3_MOE, "hidden_size": 128, "moe_intermediate_size": 128}
+"""configs/moe.yaml's Qwen3-MoE with each expert's weights a multiple of 64 x 256 values (gate/up 256 x 128, down 128
+x 128): NF4's standard scaler blocks (256 blocks of 64) fit each expert."""
+
+
+@pytest.fixture(scope="module")
+def pretrained_moe_nf4(tmp_path_factory):
+    """A user's MoE directory of `QWEN3_MOE_NF4` (random, seed 7), saved by `save_pretrained`."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    directory = tmp_path_factory.mktemp("qwen3_moe_nf4")
+    torch.manual_seed(7)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(**QWEN3_MOE_NF4)).save_pretrained(directory)
+    return directory
+
+
+def test_qlora_on_the_experts_stores_each_expert_as_torchaos_nf4_and_trains_as_one_process(
+    tmp_path, corpus, pretrained_moe_nf4
+):
+    """The MoE guide's QLoRA command (adapters on q, v and the experts, `quantize_base: nf4`) on [[2, 2], ["fsdp",
+    "ep"]] with meta_init: each rank reads its experts' rows, quantizes them, and holds a quarter of every experts
+    parameter's NF4 rows (its ep half, sharded over fsdp); gathered, each expert's row is torchao's `to_nf4(W[e], 64,
+    256)` of the pretrained weight (codes, scales, factors, mean), and dequantizes to its `get_original_weight()`.
+    Per-step losses equal one process's QLoRA (built eagerly, quantized at build; 1e-5)."""
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    from transformers import AutoModelForCausalLM
+
+    from parallelkit.quantize import EXPERTS_SUFFIX, expert_nf4_parts, unpack_experts
+
+    command, flag, config, *overrides = parallelkit_args("moe-qlora", 0, **{"/data/qwen3-moe": str(pretrained_moe_nf4)})
+    assert (command, flag, config) == ("fit", "--config", f"configs/{CONFIG}")
+    run = (*common(corpus, tmp_path / "cache"), *overrides)
+    assert_ok(fit(CONFIG, tmp_path / "one", *run, *ONE_PROCESS))
+    assert_ok(fit(CONFIG, tmp_path / "fsdp_ep", *run, callback("models.NF4Shards", out_dir="nf4")))
+    assert_same_losses(step_losses(tmp_path / "one"), step_losses(tmp_path / "fsdp_ep"))
+
+    ranks = [torch.load(tmp_path / "fsdp_ep" / "nf4" / f"rank{rank}.pt") for rank in range(4)]
+    original = AutoModelForCausalLM.from_pretrained(pretrained_moe_nf4)
+    stored = [name for name in ranks[0] if name.endswith(EXPERTS_SUFFIX)]
+    assert len(stored) == 2 * QWEN3_MOE_NF4["num_hidden_layers"], sorted(ranks[0])
+    experts = QWEN3_MOE_NF4["num_experts"]
+    for name in stored:
+        weight = original.get_parameter(name.removeprefix("model.").removesuffix(EXPERTS_SUFFIX)).detach()
+        held = {rank[name]["first"]: rank[name]["rows"] for rank in ranks}
+        assert {len(rows) for rows in held.values()} == {experts // 4}, name  # a quarter of the experts each
+        rows = torch.cat([held[first] for first in sorted(held)])
+        assert len(rows) == experts
+        parts = expert_nf4_parts(rows, weight[0].numel(), weight.dtype)
+        for expert in range(experts):
+            reference = to_nf4(weight[expert], 64, 256)
+            for key, value in parts.items():
+                assert torch.equal(value[expert].reshape(getattr(reference, key).shape), getattr(reference, key))
+            dequantized = unpack_experts(rows[expert : expert + 1], tuple(weight.shape[1:]), weight.dtype)[0]
+            assert torch.equal(dequantized, reference.get_original_weight()), (name, expert)
+
+
 def test_adapters_go_on_each_experts_parameter_and_what_cannot_be_adapted_is_named():
     """`mlp.experts.gate_up_proj` adapts every layer's stacked gate/up parameter [E, 2I, H]: A [E, r, H], B [E, 2I, r]
-    beside it, trainable, the base frozen; the experts module named instead, dropout, a 4-bit base, and a 3-D
-    parameter of a module that does not follow the experts contract are refused naming the fix."""
+    beside it, trainable, the base frozen; the experts module named instead, dropout, an expert too small for NF4's
+    blocks under a 4-bit base, and a 3-D parameter of a module that does not follow the experts contract are refused
+    naming the fix."""
     model = HFCausalLM(QWEN3_MOE, lora=LORA)
     assert expert_parameters(model)[:2] == [
         "model.model.layers.0.mlp.experts.gate_up_proj",
@@ -155,13 +212,14 @@ def test_adapters_go_on_each_experts_parameter_and_what_cannot_be_adapted_is_nam
             r"adapters go on torch.nn.Linear layers and on experts' stacked parameters.*mlp.experts.gate_up_proj",
         ),
         ({**LORA, "dropout": 0.1}, r"adapters on experts' parameters take no dropout.*Fix: lora.dropout: 0"),
-        (
-            {**LORA, "quantize_base": "nf4"},
-            r"quantize_base=nf4: .*their base is not quantized yet.*quantize_base: null",
-        ),
     ):
         with pytest.raises(ConfigError, match=expected):
             add_adapters(HFCausalLM(QWEN3_MOE), lora)
+    odd = {**QWEN3_MOE, "hidden_size": 40, "moe_intermediate_size": 20}  # down_proj: 800 values an expert
+    with pytest.raises(
+        ConfigError, match=r"experts.down_proj \(\(8, 40, 20\): 800 values an expert\) cannot be stored as NF4"
+    ):
+        HFCausalLM(odd, lora={**LORA, "quantize_base": "nf4"})
 
     class Stacked(torch.nn.Module):  # a stack of 4 matrices, but no experts module: no num_experts
         def __init__(self) -> None:

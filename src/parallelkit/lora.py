@@ -41,8 +41,8 @@ from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, Ro
 
 from parallelkit.contract import EXPERTS_CONTRACT, declared_plan, matches, matches_suffix
 from parallelkit.errors import ConfigError
-from parallelkit.lora_experts import adapt_experts, expert_parameters
-from parallelkit.quantize import is_nf4, nf4_available, release_freed_memory, to_nf4
+from parallelkit.lora_experts import adapt_experts, expert_parameters, quantize_experts, unquantized_experts
+from parallelkit.quantize import EXPERTS_SUFFIX, is_nf4, nf4_available, release_freed_memory, to_nf4
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -269,15 +269,14 @@ def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[s
         if type(module) is nn.Linear:
             _adapt(module, lora, seed=(seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
     for owner, attrs in experts.items():
-        if lora.dropout or lora.quantize_base:
-            what = f"dropout={lora.dropout:g}" if lora.dropout else f"quantize_base={lora.quantize_base}"
+        if lora.dropout:
             raise ConfigError(
-                f"lora.targets adapts {owner}'s experts ({', '.join(attrs)}) with lora.{what}: adapters on experts' "
-                "parameters take no dropout (as PEFT's parameter adapters) and their base is not quantized yet. Fix: "
-                "lora.dropout: 0 and quantize_base: null, or adapt the dense layers only."
+                f"lora.targets adapts {owner}'s experts ({', '.join(attrs)}) with lora.dropout={lora.dropout:g}: "
+                "adapters on experts' parameters take no dropout (as PEFT's parameter adapters). Fix: lora.dropout: "
+                "0, or adapt the dense layers only."
             )
         seeds = [(seed * 1_000_003 + zlib.crc32(f"{owner}.{attr}".encode())) % 2**63 for attr in attrs]
-        adapt_experts(held[owner], attrs, lora.rank, lora.scaling, seeds)
+        adapt_experts(held[owner], attrs, lora.rank, lora.scaling, seeds, lora.quantize_base)
     if lora.quantize_base:
         nf4_available()  # asking for NF4 without torchao: one clear error, at build time
         if lora.quantize_others:
@@ -313,8 +312,13 @@ def quantize_base(
     `quantize_others` the other linear layers) as NF4, once: a weight
     with values as it is; a weight still on the meta device from `read(name)` (its full-precision values, e.g. from
     the pretrained files; quantized on `device`, default where they are; `prefix` makes `model`'s names the ones
-    `read` knows), left as it is when `read` has none. Returns the names of the weights quantized now."""
+    `read` knows), left as it is when `read` has none. Adapted experts parameters too, expert by expert
+    (`parallelkit.lora_experts.quantize_experts`; `read(name, rows)` gives this rank's experts). Returns the names
+    of the weights quantized now."""
     done = []
+    for name, module in model.named_modules():
+        if getattr(module, "expert_adapters", None):
+            done += quantize_experts(module, read, device, f"{prefix}{name}." if name else prefix)
     for name, module in model.named_modules():
         if not wants_nf4(module) or is_nf4(module.weight):
             continue
@@ -339,8 +343,14 @@ def wants_nf4(module: nn.Module) -> bool:
 
 
 def quantized_names(model: nn.Module) -> list[str]:
-    """The parameters of `model` stored as NF4."""
-    return [name for name, param in model.named_parameters() if is_nf4(param)]
+    """The parameters of `model` stored as NF4 (an experts parameter's by its stored name, `..._nf4`)."""
+    return [name for name, param in model.named_parameters() if is_nf4(param) or name.endswith(EXPERTS_SUFFIX)]
+
+
+def unquantized(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The weights of `model` that ask for NF4 and are not stored in it yet (by name), as they are now."""
+    dense = [(f"{name}.weight", m.weight) for name, m in model.named_modules() if wants_nf4(m) and not is_nf4(m.weight)]
+    return dense + unquantized_experts(model)
 
 
 def has_adapters(model: nn.Module) -> bool:

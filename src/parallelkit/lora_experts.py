@@ -6,14 +6,16 @@ its module, for that parameter `W` [E, out, in], the parameters `<name>_lora_A` 
 (`adapted_weights`): PEFT's math for a 3-D parameter, so adapters move between the two (`peft_names`). Their leading
 dimension is the experts', so what the strategies do to experts they do to their adapters: expert parallelism gives
 each rank its experts' adapters, FSDP shards them as the experts, a pipeline stage holds its layers'. The base stays
-frozen; only the adapters have gradients and optimizer state.
+frozen; only the adapters have gradients and optimizer state. QLoRA (`quantize_base: nf4`) stores the adapted
+experts parameters in NF4, expert by expert (`parallelkit.quantize.pack_experts`: `<name>_nf4`, uint8 rows that
+expert parallelism and FSDP divide as they divide the experts), dequantized a layer at a time in its forward.
 """
 
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
@@ -22,10 +24,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallelkit.compat import registered_parameters
+from parallelkit.compat import local_box, registered_parameters
 from parallelkit.contract import EXPERT_WEIGHTS_HOOK, matches_suffix
 from parallelkit.errors import ConfigError
 from parallelkit.init import set_whole
+from parallelkit.quantize import EXPERTS_SUFFIX, pack_experts, unpack_experts
 
 SUFFIXES = ("_lora_A", "_lora_B")
 """What an experts parameter's adapters are named after it: `gate_up_proj_lora_A`, `gate_up_proj_lora_B`."""
@@ -41,8 +44,9 @@ class ExpertAdapter:
     `target_parameters` adapters do. Their leading dimension is the experts', so expert parallelism divides them with
     their experts, and FSDP shards them as it shards the experts."""
 
-    def __init__(self, name: str, rank: int, scaling: float, seed: int) -> None:
-        self.name, self.rank, self.scaling, self.seed = name, rank, scaling, seed
+    def __init__(self, name: str, rank: int, scaling: float, seed: int, quantize: str | None = None) -> None:
+        self.name, self.rank, self.scaling, self.seed, self.quantize = name, rank, scaling, seed, quantize
+        self.stored: tuple[tuple[int, int], torch.dtype] | None = None  # once in NF4: an expert's shape, W's dtype
 
     @property
     def names(self) -> tuple[str, str]:
@@ -60,10 +64,12 @@ class ExpertAdapter:
         set_whole(b, torch.zeros(b.shape, dtype=b.dtype, device=b.device))
 
 
-def adapt_experts(module: nn.Module, names: list[str], rank: int, scaling: float, seeds: list[int]) -> None:
-    """Give the experts module `module` adapters of `rank` on its stacked parameters `names` (`ExpertAdapter`), and
-    run its forward with the adapted weights; expert parallelism, which replaces that forward, enters them itself
-    (`parallelkit.contract.EXPERT_WEIGHTS_HOOK`)."""
+def adapt_experts(
+    module: nn.Module, names: list[str], rank: int, scaling: float, seeds: list[int], quantize: str | None = None
+) -> None:
+    """Give the experts module `module` adapters of `rank` on its stacked parameters `names` (`ExpertAdapter`; their
+    base to be stored as `quantize` says, `quantize_experts`), and run its forward with the adapted weights; expert
+    parallelism, which replaces that forward, enters them itself (`parallelkit.contract.EXPERT_WEIGHTS_HOOK`)."""
     adapters = getattr(module, "expert_adapters", None)
     if adapters is None:
         adapters = module.expert_adapters = {}
@@ -78,7 +84,7 @@ def adapt_experts(module: nn.Module, names: list[str], rank: int, scaling: float
     for name, seed in zip(names, seeds):
         weight = getattr(module, name)
         experts, out_features, in_features = weight.shape
-        adapter = adapters[name] = ExpertAdapter(name, rank, scaling, seed)
+        adapter = adapters[name] = ExpertAdapter(name, rank, scaling, seed, quantize)
         shapes = ((experts, rank, in_features), (experts, out_features, rank))
         for param_name, shape in zip(adapter.names, shapes):
             param = torch.empty(shape, device=weight.device, dtype=weight.dtype)
@@ -91,22 +97,77 @@ def adapt_experts(module: nn.Module, names: list[str], rank: int, scaling: float
 def adapted_weights(module: nn.Module) -> Iterator[None]:
     """While it lasts, the experts module's adapted parameters are `W + scaling * B @ A`, expert by expert (one
     `baddbmm`, in W's dtype, as PEFT folds them), where its forward reads them; whatever they are then (FSDP's
-    gathered parameters, expert parallelism's local ones)."""
+    gathered parameters, expert parallelism's local ones). A W stored in NF4 is dequantized here, in the adapters'
+    dtype (the compute dtype under FSDP's mixed precision)."""
     adapters = getattr(module, "expert_adapters", None)
     if not adapters:
         yield
         return
     registered = registered_parameters(module)
-    saved = {name: registered[name] for name in adapters}
+    saved = {name: registered.get(name) for name in adapters}
     for name, adapter in adapters.items():
         a, b = (registered[n] for n in adapter.names)
-        registered[name] = torch.baddbmm(
-            saved[name], b.to(saved[name].dtype), a.to(saved[name].dtype), alpha=adapter.scaling
-        )
+        base = saved[name]
+        if adapter.stored is not None:
+            shape, dtype = adapter.stored
+            base = unpack_experts(registered[name + EXPERTS_SUFFIX], shape, dtype).to(a.dtype)
+        registered[name] = torch.baddbmm(base, b.to(base.dtype), a.to(base.dtype), alpha=adapter.scaling)
     try:
         yield
     finally:
-        registered.update(saved)
+        for name, value in saved.items():
+            if value is None:
+                del registered[name]
+            else:
+                registered[name] = value
+
+
+def quantize_experts(
+    module: nn.Module,
+    read: Callable[[str, slice], torch.Tensor | None] | None,
+    device: torch.device | None,
+    prefix: str,
+) -> list[str]:
+    """Store each adapted parameter of the experts module `module` whose adapter asks for NF4 as `<name>_nf4`
+    (`pack_experts`: this rank's experts, quantized one by one), once: values it holds as they are, a meta one's
+    from `read(f"{prefix}{name}", rows)` (its experts' rows of the pretrained weight), left as it is when `read` has
+    none. Expert parallelism's DTensor (Shard(0)) stays one, of the stored rows. Returns the names quantized now."""
+    from torch.distributed.tensor import DTensor
+
+    registered, done = registered_parameters(module), []
+    for name, adapter in getattr(module, "expert_adapters", {}).items():
+        if adapter.quantize != "nf4" or adapter.stored is not None:
+            continue
+        weight = registered[name]
+        local, offsets = local_box(weight)
+        if weight.is_meta:
+            rows = slice(offsets[0], offsets[0] + local.shape[0])
+            values = read(f"{prefix}{name}", rows) if read is not None else None
+            if values is None:
+                continue
+        else:
+            values = local.detach()
+        stored = pack_experts(values.to(device or values.device, weight.dtype), f"{prefix}{name}")
+        if isinstance(weight, DTensor):
+            whole = (weight.shape[0], stored.shape[1])
+            stored = DTensor.from_local(
+                stored, weight.device_mesh, weight.placements, shape=whole, stride=(whole[1], 1)
+            )
+        del registered[name]
+        module.register_parameter(name + EXPERTS_SUFFIX, nn.Parameter(stored, requires_grad=False))
+        adapter.stored = (tuple(weight.shape[1:]), weight.dtype)
+        done.append(f"{prefix}{name}")
+    return done
+
+
+def unquantized_experts(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The experts parameters of `model` waiting to be stored in NF4 (by name), as they are now."""
+    return [
+        (f"{owner}.{name}" if owner else name, getattr(module, name))
+        for owner, module in model.named_modules()
+        for name, adapter in getattr(module, "expert_adapters", {}).items()
+        if adapter.quantize == "nf4" and adapter.stored is None
+    ]
 
 
 def expert_parameters(model: nn.Module) -> list[str]:

@@ -112,3 +112,93 @@ def is_nf4(tensor: Any) -> bool:
 def shards_of(weight: torch.Tensor) -> int:
     """How many equal row-wise parts FSDP may cut an NF4 weight into at most: its scaler blocks' count."""
     return weight.numel() // BLOCK // scaler_block_size(weight.numel())
+
+
+# Experts: one NF4 quantization per expert, stored as bytes.
+#
+# torchao's NF4Tensor holds one scaler mean per tensor, so a stacked experts parameter W [E, out, in] is quantized
+# expert by expert (`to_nf4(W[e], 64, 256)`, each its own mean) and each expert's quantization kept as one row of
+# bytes: codes | per-block scales | scaler factors | mean. The stored parameter [E, bytes] is uint8, so expert
+# parallelism divides it by rows (whole experts), FSDP2 shards and all-gathers it as it is (it casts floating-point
+# parameters only), and dequantizing a row reproduces torchao's `get_original_weight` of that expert, op for op.
+
+EXPERTS_SUFFIX = "_nf4"
+"""The stored parameter of an experts parameter `gate_up_proj` kept in NF4: `gate_up_proj_nf4`."""
+
+
+def _expert_layout(numel: int, dtype: torch.dtype) -> tuple[tuple[str, int, torch.dtype], ...]:
+    """(part, bytes, dtype) of one expert's row: the 4-bit codes, an int8 scale per block, a factor per scaler block
+    and the mean, both in the weight's dtype."""
+    size = quantization_scaler_block(numel)
+    blocks, itemsize = numel // BLOCK, dtype.itemsize
+    return (
+        ("quantized_data", numel // 2, torch.uint8),
+        ("quantized_scalers", blocks, torch.int8),
+        ("quantization_factor", blocks // size * itemsize, dtype),
+        ("scaler_mean", itemsize, dtype),
+    )
+
+
+def expert_nf4_bytes(numel: int, dtype: torch.dtype = torch.float32) -> int:
+    """Bytes of one expert's weight of `numel` values stored as NF4 (a row of `pack_experts`)."""
+    return sum(size for _, size, _ in _expert_layout(numel, dtype))
+
+
+def pack_experts(weight: torch.Tensor, name: str) -> torch.Tensor:
+    """`weight` [E, out, in] quantized expert by expert (torchao's `to_nf4(weight[e], 64, 256)`), as uint8 rows
+    [E, `expert_nf4_bytes`]; `name` names it in errors."""
+    numel = weight[0].numel() if len(weight) else 0
+    if not quantization_scaler_block(numel):
+        raise ConfigError(
+            f"{name} ({tuple(weight.shape)}: {numel} values an expert) cannot be stored as NF4: each expert's size "
+            f"must be a multiple of {BLOCK}. Fix: leave it out of lora.targets, or quantize_base: null."
+        )
+    nf4 = _nf4_module()
+    rows = []
+    for expert in weight.detach():
+        size = quantization_scaler_block(numel)
+        quantized = nf4.to_nf4(expert.contiguous(), block_size=BLOCK, scaler_block_size=size)
+        layout = _expert_layout(numel, weight.dtype)
+        # a copy with standard strides: a tensor of one scaler block may keep its expanded stride, which view refuses
+        parts = [
+            getattr(quantized, part).reshape(-1).clone(memory_format=torch.contiguous_format) for part, _, _ in layout
+        ]
+        rows.append(torch.cat([part.view(torch.uint8) for part in parts]))
+    return torch.stack(rows) if rows else torch.empty(0, expert_nf4_bytes(numel, weight.dtype), dtype=torch.uint8)
+
+
+def expert_nf4_parts(stored: torch.Tensor, numel: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The inner tensors of each expert's NF4 in `stored` (rows of `pack_experts` of experts of `numel` values whose
+    weight was `dtype`): torchao's names, each with the experts' leading dimension."""
+    parts, start = {}, 0
+    for part, size, part_dtype in _expert_layout(numel, dtype):
+        parts[part] = stored[:, start : start + size].contiguous().view(part_dtype)
+        start += size
+    parts["scaler_mean"] = parts["scaler_mean"].reshape(-1)
+    return parts
+
+
+_NF4_VALUES: dict[torch.dtype, torch.Tensor] = {}
+
+
+def _nf4_values(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The 16 values NF4's codes stand for, in `dtype` (torchao's table, as its quantization builds it)."""
+    if dtype not in _NF4_VALUES:
+        _NF4_VALUES[dtype] = _nf4_module().to_nf4(torch.zeros(BLOCK, dtype=dtype), BLOCK, 1).nf4
+    return _NF4_VALUES[dtype].to(device)
+
+
+def unpack_experts(stored: torch.Tensor, shape: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """The weights [E, *shape] held by `stored` (rows of `pack_experts` of a `dtype` weight), dequantized in `dtype`:
+    torchao's `NF4Tensor.get_original_weight` of each expert, computed for all of them at once (the same elementwise
+    operations, so the same values)."""
+    numel = shape[0] * shape[1]
+    parts = expert_nf4_parts(stored, numel, dtype)
+    experts, blocks = parts["quantized_scalers"].shape
+    factor = parts["quantization_factor"]
+    scalers = parts["quantized_scalers"].view(experts, factor.shape[1], -1) / factor.unsqueeze(-1)
+    scalers = scalers.reshape(experts, blocks).to(dtype) + parts["scaler_mean"][:, None]
+    repeated = scalers.unsqueeze(-1).expand(experts, blocks, BLOCK // 2).reshape(experts, -1)
+    values, codes = _nf4_values(dtype, stored.device), parts["quantized_data"]
+    first, second = values[(codes >> 4).long()] * repeated, values[(codes & 0b1111).long()] * repeated
+    return torch.stack([first, second], dim=-1).reshape(experts, *shape)

@@ -26,6 +26,7 @@ from parallelkit.lora import (
     config_dict,
     is_adapter,
     quantize_base,
+    quantized_names,
     reset_adapters,
 )
 from parallelkit.lora_experts import read_peft_adapters
@@ -121,15 +122,16 @@ class HFCausalLM(HFPlanMixin, HFStagesMixin, CausalLM):
         """The transformers config."""
         return self.model.config
 
-    def base_weight(self, name: str) -> torch.Tensor | None:
-        """The pretrained values of parameter `name` (whole; None without `pretrained`): QLoRA quantizes a meta-built
-        base weight from them before it is sharded."""
+    def base_weight(self, name: str, rows: slice | None = None) -> torch.Tensor | None:
+        """The pretrained values of parameter `name` (whole, or its `rows`: an experts parameter's experts this rank
+        holds; None without `pretrained`): QLoRA quantizes a meta-built base weight from them before it is sharded."""
         if self.pretrained_weights is None:
             return None
         if self._converted is None:
             self._converted = ConvertedWeights(self.pretrained_weights, self.model)
         key = name.removeprefix("model.")
-        return self._converted.read(key, tuple(slice(0, size) for size in self._converted.shape(key)))
+        box = [slice(0, size) for size in self._converted.shape(key)]
+        return self._converted.read(key, tuple([rows or box[0], *box[1:]]))
 
     @property
     def loads_every_parameter(self) -> bool:
@@ -154,7 +156,9 @@ class HFCausalLM(HFPlanMixin, HFStagesMixin, CausalLM):
         `_init_weights` for every module). Strategies call it after materialising a meta-device model;
         `parallelkit.init` makes a random initialisation layout-independent."""
         if self.pretrained_weights is not None:
-            load_weights(self.model, ConvertedWeights(self.pretrained_weights, self.model), skip=is_adapter)
+            quantized = set(quantized_names(self.model))  # read and quantized already
+            weights = ConvertedWeights(self.pretrained_weights, self.model)
+            load_weights(self.model, weights, skip=lambda name: is_adapter(name) or name in quantized)
         else:
             for name, param in self.model.named_parameters():  # marks what transformers' initialisation leaves
                 if not param.is_meta and not is_adapter(name):  # (the adapters are reset below)

@@ -134,7 +134,7 @@ def _local_weights(module: nn.Module, grad_scale: float) -> Iterator[list[torch.
     }
     registered.update(local)
     try:
-        yield list(local.values())
+        yield [weight for weight in local.values() if weight.requires_grad]  # not an NF4 base's bytes
     finally:
         registered.update({name: saved[name] for name in local})
 

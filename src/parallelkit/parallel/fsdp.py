@@ -131,9 +131,9 @@ def apply_fsdp(
     `reshard_after_forward`: "always" frees every gathered weight after its forward, "never" keeps them all,
     "default" frees all but the last unit and the root: backward needs those first, so freeing them would
     only repeat their all-gather at once. `comm_hook` (a `parallelkit.comm.CommHook`) sets the gradient
-    reduction dtype and may replace the reduce-scatter of every module it shards. `prepare(module)` runs on each unit
-    (and then the root) just before it is sharded, so what it makes whole (QLoRA's NF4 weights) is whole one unit at
-    a time.
+    reduction dtype and may replace the reduce-scatter of every module it shards. `prepare(module)` runs on each
+    experts module, unit and then the root just before it is sharded, so what it makes whole (QLoRA's NF4 weights) is
+    whole one unit at a time.
     """
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
@@ -145,12 +145,13 @@ def apply_fsdp(
         "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy(),
     }
     ignored = {param for module in experts for param in module.parameters()} if experts_mesh is None else set()
+    prepare = prepare or (lambda _: None)
     if experts_mesh is not None:
         for module in experts:
+            prepare(module)
             fully_shard(
                 module, reshard_after_forward=reshard_after_forward != "never", **{**options, "mesh": experts_mesh}
             )
-    prepare = prepare or (lambda _: None)
 
     def shard(group: nn.Module | list[nn.Module], reshard: bool) -> None:
         modules = group if isinstance(group, list) else [group]

@@ -46,7 +46,7 @@ from parallelkit.compat import (
 )
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.init import draw_whole_in_hooks, has_meta_tensors, materialize, meta_parameters
-from parallelkit.lora import quantize_base, wants_nf4
+from parallelkit.lora import quantize_base, unquantized
 from parallelkit.mesh import AXES, MeshSpec
 from parallelkit.parallel import DataParallelWrap, ResolvedPlan, data_parallel_wrap, resolve
 from parallelkit.parallel.compile import compile_backends, cpp_compiler
@@ -369,15 +369,15 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
         meta-built weight from the model's `base_weight(name)` (HFCausalLM reads it from `pretrained`)."""
         module = self.lightning_module
         read = getattr(module, "base_weight", None)
-        if not any(wants_nf4(m) for m in root.modules()):
+        if not unquantized(root):
             return
         name = next((n for n, m in module.named_modules() if m is root), "")  # a unit or a stage: its FQN
         quantize_base(root, read, self.root_device, prefix=f"{name}." if name else "")
-        waiting = [name for name, module in root.named_modules() if wants_nf4(module) and module.weight.is_meta]
+        waiting = [name for name, weight in unquantized(root) if weight.is_meta]
         if waiting:
             raise ConfigError(
                 f"lora.quantize_base: nf4 with meta_init needs each base weight's values before sharding, to quantize "
-                f"them; {model_class_name(self.lightning_module)} gives none for {waiting[0]}.weight (only "
+                f"them; {model_class_name(self.lightning_module)} gives none for {waiting[0]} (only "
                 "HFCausalLM with model.pretrained reads them). Fix: meta_init: false (the model is built with its "
                 "weights and quantized at once), or load pretrained weights."
             )
