@@ -775,3 +775,30 @@ class PeftCausalLM(HFCausalLM):
         assert not reference.load_state_dict(values, strict=False).unexpected_keys
         assert {k for k, p in reference.named_parameters() if p.requires_grad} == set(values)
         self.model = reference.base_model.model
+
+
+class MicrobatchedRouterLoss(HFCausalLM):
+    """One process computing what a pipeline computes with the routers' load-balancing loss on: its batch cut into
+    `microbatches` equal consecutive chunks, each chunk's loss transformers' own (cross-entropy plus
+    `router_aux_loss_coef` x its `aux_loss`, as `HFCausalLM` takes it from the model's output), and the step's loss
+    their mean (the cross-entropy of equal chunks averages to the batch's)."""
+
+    def __init__(self, config: dict | str | None = None, pretrained: str | None = None, microbatches: int = 1) -> None:
+        import inspect
+
+        super().__init__(config=config, pretrained=pretrained)
+        self.microbatches = microbatches
+        defaults = inspect.signature(HFCausalLM.__init__).parameters.values()  # the optimizer's settings too
+        self.hparams.update(
+            {p.name: p.default for p in defaults if p.name not in self.hparams and p.default is not p.empty}
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        losses = [
+            self.pipeline_loss(self(inputs), targets) + self.auxiliary_loss()
+            for inputs, targets in zip(x.chunk(self.microbatches), y.chunk(self.microbatches))
+        ]
+        loss = torch.stack(losses).mean()
+        self.log("train_loss", loss, on_step=True, prog_bar=True)
+        return loss

@@ -248,8 +248,21 @@ def test_the_routers_load_balancing_loss_is_transformers_own():
     own = model.model(input_ids=tokens[:, :-1], output_router_logits=True)
     assert torch.equal(logits, own.logits) and model.auxiliary_loss() == 0.05 * own.aux_loss
     assert model.auxiliary_loss() == 0.0  # the last forward's, taken once
-    with pytest.raises(PlanError, match="output_router_logits.*which no one pipeline stage holds"):
-        resolve(model, num_stages=2)
+    assert resolve(model, num_stages=2).plan.auxiliary_loss == model.auxiliary_loss  # pipelines carry it (below)
+
+
+def test_the_load_balancing_loss_under_1f1b_equals_one_process_taking_it_per_microbatch(tmp_path, corpus):
+    """With `output_router_logits` (coefficient 0.5, so that it weighs), 1F1B pp=2 x ep=2 (the MoE guide's layout:
+    4 microbatches of one row on each ep rank) carries the routers' sums from stage to stage and the last stage adds
+    the loss to each microbatch's: per-step losses equal one process computing transformers' own `aux_loss` on each
+    of the same 8 one-row chunks (`models.MicrobatchedRouterLoss`; 1e-5)."""
+    config = json.dumps({**QWEN3_MOE, "output_router_logits": True, "router_aux_loss_coef": 0.5})
+    run = (*common(corpus, tmp_path / "cache"), f"--model.init_args.config={config}")
+    assert_ok(fit(CONFIG, tmp_path / "pp", *run, *LAYOUTS["1f1b_pp_ep"]))
+    one = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")
+    reference = ("--model=models.MicrobatchedRouterLoss", "--model.init_args.microbatches=8")
+    assert_ok(fit(CONFIG, tmp_path / "one", *reference, *run, *one))
+    assert_same_losses(step_losses(tmp_path / "one"), step_losses(tmp_path / "pp"))
 
 
 @pytest.mark.parametrize(

@@ -169,6 +169,8 @@ class ParallelPlan:
             whole heads per rank. Sizes of split weights are checked from the modules themselves.
         loss: `loss(output, target)`: the mean loss of a batch from the model's output (the last pipeline stage
             calls it). Must be `F.cross_entropy` based for loss parallelism.
+        auxiliary_loss: `auxiliary_loss()`: what the last pipeline stage adds to each microbatch's training loss,
+            from its forward (an MoE model's routers' load-balancing loss); None: nothing.
         split_batch: A batch as `(inputs, target)`: inputs feed the first pipeline stage, target the loss (None
             for a batch of inputs alone, as `predict` gets).
         stage_forward: How a pipeline stage runs its layers: `stage_forward(layers, *args)`, with `layers` the
@@ -192,6 +194,7 @@ class ParallelPlan:
     attention_refusal: str = ""
     tp_divisors: Mapping[str, int] = field(default_factory=dict)
     loss: Callable[[Any, Any], Any] | None = None
+    auxiliary_loss: Callable[[], Any] | None = None
     split_batch: Callable[[Any], tuple[Any, Any]] = split_pair
     stage_forward: Callable[..., Any] | None = None
     stage_modules: Sequence[str] = ()

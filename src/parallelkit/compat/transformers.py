@@ -68,3 +68,19 @@ def hf_initialize(model: Module) -> None:
         if getattr(obj, "_is_hf_initialized", False):
             obj._is_hf_initialized = False
     model.initialize_weights()
+
+
+def hf_router_outputs(model: Module) -> tuple[type, int] | None:
+    """What a Hugging Face MoE model records as its routers' logits when asked for `output_router_logits`: the
+    router module class and the index of the logits in its output (`_can_record_outputs`); None when it records
+    none."""
+    recorder = (getattr(model, "_can_record_outputs", None) or {}).get("router_logits")
+    target = getattr(recorder, "target_class", None)
+    return (target, getattr(recorder, "index", 0)) if isinstance(target, type) else None
+
+
+def hf_load_balancing_loss(model: Module) -> Any:
+    """The family's own `load_balancing_loss_func(gate_logits, num_experts, top_k)` (its modeling module's), or None."""
+    import sys
+
+    return getattr(sys.modules.get(type(model).__module__), "load_balancing_loss_func", None)

@@ -16,6 +16,7 @@ from parallelkit.contract import ParallelPlan, matches
 from parallelkit.errors import PlanError
 from parallelkit.lora import QUANTIZED_TP_REFUSAL
 from parallelkit.models.hf_families import CP_FAMILIES, PIPELINE_FAMILIES, TP_FAMILIES
+from parallelkit.models.hf_router import same_as_family
 
 HF_STYLES = {
     "colwise": "colwise",
@@ -160,6 +161,7 @@ class HFPlanMixin:
             attention_refusal=self._attention_refusal(),
             tp_divisors=self._head_counts(),
             loss=self.pipeline_loss,
+            auxiliary_loss=self.auxiliary_loss if self._router_loss else None,
             stage_forward=self._run_stage,
             stage_modules=self._stage_modules(),
             flops_per_token=self.flops_per_token,
@@ -260,11 +262,12 @@ class HFPlanMixin:
                 f"transformers' pipeline plan for {model_type} names {missing}, which the model does not have. Fix: "
                 "train it with fsdp_tp."
             )
-        if self._router_loss:
+        if self._router_loss and not same_as_family(self.model):
             return (
-                f"{model_type}'s config sets output_router_logits: its load-balancing loss is computed from every "
-                "layer's router logits together, which no one pipeline stage holds. Fix: output_router_logits: false "
-                "in the config, or train it without pp (fsdp, ep, tp)."
+                f"{model_type}'s config sets output_router_logits, and its load-balancing loss is not the per-expert "
+                "sums over layers that parallelkit carries from stage to stage (transformers' "
+                "load_balancing_loss_func of Qwen3-MoE, Mixtral, OLMoE, ...), so no stage could compute it. Fix: "
+                "output_router_logits: false in the config, or train it without pp (fsdp, ep, tp)."
             )
         if model_type not in PIPELINE_FAMILIES:
             return (

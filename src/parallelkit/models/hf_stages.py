@@ -11,6 +11,14 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallelkit.models.hf_router import (
+    add_router_sums,
+    recorded_router_logits,
+    router_counts,
+    router_loss,
+    start_router_sums,
+)
+
 
 class HFStagesMixin:
     """`HFCausalLM`'s pipeline stage forward (`ParallelPlan.stage_forward`) and the stand-ins it runs the model's own
@@ -25,29 +33,36 @@ class HFStagesMixin:
         layers replaced by recorders, so each layer is called with exactly what the base model hands it (masks per
         layer type, rotary tables, positions; on the first stage, the embedding as the base model scales it), and
         the head runs in the model's own forward on the last stage's hidden states (Cohere's scale, Gemma's
-        capping)."""
+        capping). With the routers' load-balancing loss on, each stage hands on the routers' sums so far as well
+        (`parallelkit.models.hf_router`), and the last computes the loss from them."""
         names = self._names()
         first = layers[0][0] == names["embed"]
         decoders = [(index, module) for name, module in layers if (index := self._decoder_index(name)) is not None]
+        counts = router_counts(self.model) if self._router_loss else None
         if first:
             input_ids, *given = args
             positions = given[0] if given else torch.arange(input_ids.shape[1], device=input_ids.device)
             inputs = {"input_ids": input_ids, **_packed(positions)}
             calls = self._layer_calls({0, *(i for i, _ in decoders)}, inputs)
             x = _hidden_states(*calls[0])  # the embedding's output as the base model hands it to layer 0
+            sums = start_router_sums(counts[0], x.device) if counts else ()
         else:
-            x, positions = args
+            x, positions, *sums = args  # with the routers' sums so far when the load-balancing loss is on
             whole = (x.shape[0], positions.shape[-1], *x.shape[2:])  # the whole sequence (sequence parallelism)
             inputs = {"inputs_embeds": x.new_zeros(whole), **_packed(positions)}
             calls = self._layer_calls({i for i, _ in decoders}, inputs)
-        for index, layer in decoders:
-            x = _run_layer(layer, x, *calls[index])
+        with recorded_router_logits(self.model, [layer for _, layer in decoders] if counts else []) as routers:
+            for index, layer in decoders:
+                x = _run_layer(layer, x, *calls[index])
+        for logits in routers:
+            sums = add_router_sums(tuple(sums), logits, counts[1])
         held = {name for name, _ in layers}
         if names["norm"] in held:
             x = self.model.get_submodule(names["norm"].removeprefix("model."))(x)
         if names["head"] in held:
+            self._aux_loss = router_loss(tuple(sums)) if counts else None  # `auxiliary_loss` takes it
             return self._logits(x)
-        return x, positions
+        return x, positions, *sums
 
     def _decoder_index(self, name: str) -> int | None:
         """The index of decoder layer `name` (`model.model.layers.3` -> 3), or None for another module."""

@@ -97,6 +97,7 @@ class PipelineStrategy(ParallelkitStrategy):
         self._loss_scale = 1.0
         self._predicting = False
         self._step_targets: torch.Tensor | None = None
+        self._training = False  # whether the schedule step running now trains (its losses get the auxiliary loss)
 
     @property
     def pipeline(self) -> Schedule:
@@ -226,11 +227,15 @@ class PipelineStrategy(ParallelkitStrategy):
         return resolved
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        auxiliary = self.resolved.plan.auxiliary_loss
+        extra = auxiliary() if auxiliary is not None else 0.0  # taken from every forward, added in training
         if self._predicting:  # torch's schedules compute a loss on the last stage whatever the step is for
             return output.new_zeros(())
         loss = self.resolved.plan.loss(output, target)
         if self._step_targets is not None:  # a token batch: the microbatch's share of the step's token mean
             loss = token_share(loss, target, self._step_targets)
+        elif self._training:  # as `CausalLM.training_step` adds it, on each microbatch
+            loss = loss + extra
         return loss * self._loss_scale
 
     def _check_batch(self, inputs: torch.Tensor) -> None:
@@ -243,7 +248,15 @@ class PipelineStrategy(ParallelkitStrategy):
         self._check_batch(inputs)
         accumulate = self.lightning_module.trainer.accumulate_grad_batches if train else 1
         tokens = isinstance(batch, Mapping)
+        if tokens and train and self.resolved.plan.auxiliary_loss is not None:
+            raise ConfigError(
+                f"{self.resolved.description}: its routers' load-balancing loss (output_router_logits) with token "
+                "batches (SFT, packed) under a pipeline is not supported: a token batch's loss is its share of the "
+                "step's token mean, to which the per-microbatch load-balancing loss is not yet added. Fix: "
+                "output_router_logits: false in the model's config, or train it without pp."
+            )
         self._step_targets = batch["num_targets"] if tokens else None
+        self._training = train
         # Pairs: the whole batch's mean loss is the mean over microbatches, and Lightning would divide by
         # accumulate_grad_batches before its own backward: both divisions happen here, on each microbatch. Token
         # batches: each share is multiplied by the reduction's size, which the stages' gradient reduction divides by
