@@ -188,6 +188,50 @@ def test_qlora_on_the_experts_stores_each_expert_as_torchaos_nf4_and_trains_as_o
             assert torch.equal(dequantized, reference.get_original_weight()), (name, expert)
 
 
+def test_the_planner_fits_qwen3_30b_a3b_qlora_on_two_80gb_devices_where_lora_barely_fits():
+    """The MoE guide's question: which layout fine-tunes Qwen3-30B-A3B (the preset's published architecture) with
+    QLoRA on 2 x 80 GB? Rank-16 adapters on attention and the experts, the base in NF4: the planner counts each
+    expert's weights at their stored size and recommends a layout that fits with most of the devices free; with
+    LoRA on the fp32 base the same layout does not fit, and what fits holds the base's 4 bytes a parameter."""
+    from parallelkit.lora import unquantized
+    from parallelkit.memory import nf4_bytes
+    from parallelkit.mesh import MeshSpec
+    from parallelkit.planner import Hardware, Workload, recommend
+    from parallelkit.quantize import expert_nf4_bytes
+
+    args = parallelkit_args("moe-qlora-plan")  # the guide's command: the sizes, and the adapters as it sets them
+    assert args[:3] == ["plan", "--config", "configs/models/qwen3_30b_a3b.yaml"]
+    assert [args[args.index(f"--{flag}") + 1] for flag in ("nodes", "devices-per-node", "device-memory")] == [
+        "1",
+        "2",
+        "80GB",
+    ]
+    assert "--trainer.strategy.activation_checkpointing=full" in args
+    prefix = "--model.init_args.lora."
+    lora = {a.removeprefix(prefix).partition("=")[0]: yaml.safe_load(a.partition("=")[2]) for a in args if prefix in a}
+    assert lora["quantize_base"] == "nf4"
+    config = yaml.safe_load((REPO / "configs" / "models" / "qwen3_30b_a3b.yaml").read_text())["model"]["init_args"]
+    work = Workload(seq_len=4096, micro_batch=4, compute_bytes=2, activation_checkpointing="full")
+    hardware = Hardware(nodes=1, devices_per_node=2, device_memory=80e9)
+    plans = {}
+    for kind, quantize in (("lora", None), ("qlora", "nf4")):  # the QLoRA model last: counted below
+        with torch.device("meta"):
+            model = HFCausalLM(**config, lora={**lora, "quantize_base": quantize})
+        plans[kind] = recommend(model, work, hardware)
+    (_, best, _), (lora, _, _) = plans["qlora"], plans["lora"]
+    assert best is not None and best.peak < 0.5 * 72e9, best
+    same = next(e for e in lora if e.mesh == best.mesh and e.schedule == best.schedule)
+    assert not same.fits and same.state > 3 * best.state
+    # Each rank's share of: each expert's NF4 row, the attention's NF4 weights, the other frozen weights in fp32, and
+    # the adapters with their gradients and AdamW moments (627M of them on the experts: 16 x 2 x 13M a layer).
+    stored = {name: weight for name, weight in unquantized(model)}
+    whole = sum(
+        len(w) * expert_nf4_bytes(w[0].numel()) if w.dim() == 3 else nf4_bytes(w.numel()) for w in stored.values()
+    )
+    whole += sum((16 if p.requires_grad else 4) * p.numel() for n, p in model.named_parameters() if n not in stored)
+    assert best.state == pytest.approx(whole / MeshSpec.parse(best.mesh).world_size, rel=1e-3)
+
+
 def test_adapters_go_on_each_experts_parameter_and_what_cannot_be_adapted_is_named():
     """`mlp.experts.gate_up_proj` adapts every layer's stacked gate/up parameter [E, 2I, H]: A [E, r, H], B [E, 2I, r]
     beside it, trainable, the base frozen; the experts module named instead, dropout, an expert too small for NF4's

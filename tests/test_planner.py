@@ -417,6 +417,27 @@ def test_adapters_on_experts_are_counted_as_experts_with_gradients_and_optimizer
     assert adapted.grads == 4 * adapters / 4 and adapted.optimizer == 8 * adapters / 4
 
 
+def test_an_nf4_expert_base_is_counted_at_its_stored_size_divided_with_its_experts():
+    """The same adapters with `quantize_base: nf4` (QLoRA: q's weight and each expert's up and down projection in
+    NF4), on [[2, 2], ["fsdp", "ep"]]: the weights are LoRA's less each quantized weight's fp32 bytes plus its stored
+    ones (an expert's row: codes, scales, factors, mean), a quarter per rank; gradients and optimizer state as
+    LoRA's."""
+    from parallelkit.memory import nf4_bytes
+    from parallelkit.quantize import expert_nf4_bytes
+
+    sizes = {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_expert": 4, "top_k": 2}
+    lora = {"rank": 4, "targets": ["attn.q", "experts.up", "experts.down"]}
+    with torch.device("meta"):
+        plain, quantized = GPT(**sizes, lora=lora), GPT(**sizes, lora={**lora, "quantize_base": "nf4"})
+    mesh, work, hw = MeshSpec((2, 2), ("fsdp", "ep")), Workload(seq_len=32, micro_batch=2), Hardware(1, 4, 80e9)
+    a, b = (estimate(profile(m, 32), mesh, work, hw) for m in (plain, quantized))
+    experts, expert = 2 * 2 * 4, 64 * 256  # layers x (up, down) x experts; values an expert
+    saved = experts * (4 * expert - expert_nf4_bytes(expert)) + 2 * (4 * 64 * 64 - nf4_bytes(64 * 64))
+    assert a.params - b.params == pytest.approx(saved / 4)
+    assert a.grads == b.grads and a.optimizer == b.optimizer
+    assert expert_nf4_bytes(expert) / expert < 0.53
+
+
 def test_a_cp_axis_divides_activations_and_shards_and_adds_its_attention_traffic():
     """[[2, 2], ["fsdp", "cp"]] against [[2, 1]] (fsdp alone): parameters, gradients and optimizer state sharded four
     ways, as [[4, 1]] shards them; each rank's activations and compute halved (its half of every sequence); the cp

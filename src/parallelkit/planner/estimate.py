@@ -172,7 +172,7 @@ def _fsdp(share: _Share) -> None:
     share.replicas *= fsdp
     if share.shards == 1:
         return
-    gathered = _in_bytes(share.layers, share.whole, work.compute_bytes)
+    gathered = _in_bytes(share.layers, share.whole, work.compute_bytes, share.spec.size("ep"))
     units = [each for each, layer in zip(gathered, share.layers) if layer.unit]
     share.gathered = sum(gathered) - sum(units) + 2 * max(units, default=0.0)
     regathered = sum(units[:-1]) if share.regathers else 0.0
@@ -196,10 +196,16 @@ LISTED = ("fsdp", "ep", "replicate", "tp", "pp", "cp")
 """The order an estimate lists (and adds up) the axes' traffic in; an axis not named here comes after them."""
 
 
-def _in_bytes(layers: list[Layer], counts: list[float], width: float) -> list[float]:
+def _in_bytes(layers: list[Layer], counts: list[float], width: float, ep: int = 1) -> list[float]:
     """`counts` parameters of each layer in bytes, `width` each, but NF4 weights at their own size (tp is 1 with
-    them)."""
-    return [(count - layer.quantized) * width + layer.quantized_bytes for count, layer in zip(counts, layers)]
+    them); `ep`: the counts hold 1 / ep of the experts, and so of their NF4 weights."""
+    kept = 1 - 1 / ep
+    return [
+        (count - layer.quantized + layer.quantized_experts * kept) * width
+        + layer.quantized_bytes
+        - layer.quantized_experts_bytes * kept
+        for count, layer in zip(counts, layers)
+    ]
 
 
 def _checkpointed(stage: list[Layer], every: int | None) -> list[Layer]:

@@ -13,9 +13,11 @@ from parallelkit.compat import flash_attention_on_cpu
 from parallelkit.contract import GATHERING_STYLES, SHARDING_STYLES
 from parallelkit.errors import PlanError
 from parallelkit.lora import WHOLE_UNDER, LoRALinear, wants_nf4
+from parallelkit.lora_experts import unquantized_experts
 from parallelkit.memory import SavedTensorLedger, nbytes, nf4_bytes
 from parallelkit.parallel.resolve import expand_tp, gathered_inside, resolve
 from parallelkit.planner.records import Layer, ModelProfile
+from parallelkit.quantize import expert_nf4_bytes
 
 _GROUPED_MM = (getattr(torch.nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
 
@@ -166,6 +168,11 @@ def profile(
         members = {id(m) for m in module.modules()}
         params = list(module.parameters())
         start, end = marks.get(name, [0.0, before_loss])[:2] if name else (0.0, before_loss)
+        waiting = [weight for _, weight in unquantized_experts(module)]  # NF4 experts, as a meta build leaves them
+        nf4_experts = (
+            [w.numel() for w in waiting],
+            [len(w) * expert_nf4_bytes(w[0].numel(), w.dtype) for w in waiting],
+        )
         layers.append(
             Layer(
                 name=name or type(model).__name__,
@@ -181,8 +188,11 @@ def profile(
                 experts=sum(p.numel() for p in params if id(p) in expert_params),
                 trainable_experts=sum(p.numel() for p in params if p.requires_grad and id(p) in expert_params),
                 routed=sum(v for k, v in routed.items() if k in members),
-                quantized=sum(m.weight.numel() for m in module.modules() if wants_nf4(m)),
-                quantized_bytes=sum(nf4_bytes(m.weight.numel()) for m in module.modules() if wants_nf4(m)),
+                quantized=sum(m.weight.numel() for m in module.modules() if wants_nf4(m)) + sum(nf4_experts[0]),
+                quantized_bytes=sum(nf4_bytes(m.weight.numel()) for m in module.modules() if wants_nf4(m))
+                + sum(nf4_experts[1]),
+                quantized_experts=sum(nf4_experts[0]),
+                quantized_experts_bytes=sum(nf4_experts[1]),
                 attention_q=sum(q for key, (q, _) in attended.items() if key in members),
                 attention_kv=sum(kv for key, (_, kv) in attended.items() if key in members),
             )

@@ -117,6 +117,10 @@ class Layer:
     quantized: int = 0
     """Parameters stored as NF4 (QLoRA's base weights), held, gathered and sent as `quantized_bytes` in all."""
     quantized_bytes: float = 0.0
+    quantized_experts: int = 0
+    """Of `quantized`, the experts' (stored per expert, divided over ep with their experts), in
+    `quantized_experts_bytes`."""
+    quantized_experts_bytes: float = 0.0
     attention_q: float = 0.0
     """Bytes per sample of the queries its attention modules attend with (their outputs are as large), fp32."""
     attention_kv: float = 0.0
