@@ -13,7 +13,7 @@ from hf_families import tiny_config
 from snippets import parallelkit_args
 from support import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses
 
-from parallelkit.errors import PlanError
+from parallelkit.errors import ConfigError, PlanError
 from parallelkit.models import GPT, HFCausalLM
 from parallelkit.parallel import resolve
 
@@ -263,6 +263,17 @@ def test_the_load_balancing_loss_under_1f1b_equals_one_process_taking_it_per_mic
     reference = ("--model=models.MicrobatchedRouterLoss", "--model.init_args.microbatches=8")
     assert_ok(fit(CONFIG, tmp_path / "one", *reference, *run, *one))
     assert_same_losses(step_losses(tmp_path / "one"), step_losses(tmp_path / "pp"))
+
+    # Token batches (SFT, packed) take their share of the step's token mean, to which it is not added: refused.
+    from types import SimpleNamespace
+
+    from parallelkit.strategies import PipelineStrategy
+
+    model = HFCausalLM(json.loads(config))
+    strategy = SimpleNamespace(resolved=resolve(model, num_stages=2))
+    batch = {"input_ids": torch.zeros(2, 8, dtype=torch.long)}
+    with pytest.raises(ConfigError, match=r"load-balancing loss \(output_router_logits\) with token batches.*Fix:"):
+        PipelineStrategy._run(strategy, batch, train=True)
 
 
 @pytest.mark.parametrize(

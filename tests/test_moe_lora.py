@@ -232,6 +232,44 @@ def test_the_planner_fits_qwen3_30b_a3b_qlora_on_two_80gb_devices_where_lora_bar
     assert best.state == pytest.approx(whole / MeshSpec.parse(best.mesh).world_size, rel=1e-3)
 
 
+@pytest.mark.parametrize("quantize", [None, "nf4"])
+def test_a_layers_adapted_experts_are_made_again_in_backward_not_kept_from_its_forward(monkeypatch, quantize):
+    """LoRA (and QLoRA) on the experts, one process: what autograd keeps from the forward holds no full-precision
+    copy of a layer's adapted (dequantized) experts: a ledger of the storages saved for backward counts, without the
+    recipe, exactly those copies more (2 layers x gate/up + down, fp32). Backward makes each layer's again once, and
+    the gradients are, bit for bit, those of keeping them."""
+    from contextlib import nullcontext
+
+    from parallelkit import lora_experts
+    from parallelkit.memory import SavedTensorLedger
+
+    made = []
+    adapted = lora_experts._adapted
+    monkeypatch.setattr(lora_experts, "_adapted", lambda *args: made.append(1) or adapted(*args))
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(0))
+
+    def step() -> tuple[int, dict[str, torch.Tensor]]:
+        torch.manual_seed(0)
+        model = HFCausalLM(QWEN3_MOE, lora={**LORA, "quantize_base": quantize})
+        ledger = SavedTensorLedger()
+        with torch.autograd.graph.saved_tensors_hooks(ledger.pack, ledger.unpack):
+            loss = model.pipeline_loss(model(tokens[:, :-1]), tokens[:, 1:])
+        held = ledger.live
+        made.clear()
+        loss.backward()
+        return held, {n: p.grad for n, p in model.named_parameters() if p.requires_grad}
+
+    held, grads = step()
+    layers, experts = QWEN3_MOE["num_hidden_layers"], QWEN3_MOE["num_experts"]
+    assert len(made) == 2 * layers  # once per adapted parameter and layer, in backward
+    monkeypatch.setattr(lora_experts, "_made_again_in_backward", lambda _: nullcontext())
+    kept, kept_grads = step()
+    hidden, inner = QWEN3_MOE["hidden_size"], QWEN3_MOE["moe_intermediate_size"]
+    assert kept - held == layers * experts * (2 * inner * hidden + hidden * inner) * 4
+    assert made == [] and grads.keys() == kept_grads.keys()
+    assert all(torch.equal(grads[name], kept_grads[name]) for name in grads)
+
+
 def test_adapters_go_on_each_experts_parameter_and_what_cannot_be_adapted_is_named():
     """`mlp.experts.gate_up_proj` adapts every layer's stacked gate/up parameter [E, 2I, H]: A [E, r, H], B [E, 2I, r]
     beside it, trainable, the base frozen; the experts module named instead, dropout, an expert too small for NF4's

@@ -349,7 +349,11 @@ def quantized_names(model: nn.Module) -> list[str]:
 
 def unquantized(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The weights of `model` that ask for NF4 and are not stored in it yet (by name), as they are now."""
-    dense = [(f"{name}.weight", m.weight) for name, m in model.named_modules() if wants_nf4(m) and not is_nf4(m.weight)]
+    dense = [
+        (f"{name}.weight", m.weight)
+        for name, m in model.named_modules()
+        if wants_nf4(m) and (m.weight.is_meta or not is_nf4(m.weight))
+    ]
     return dense + unquantized_experts(model)
 
 

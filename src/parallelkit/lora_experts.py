@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallelkit.compat import local_box, registered_parameters
+from parallelkit.compat import local_box, registered_parameters, saved_tensors_hooks_in_force
 from parallelkit.contract import EXPERT_WEIGHTS_HOOK, matches_suffix
 from parallelkit.errors import ConfigError
 from parallelkit.init import set_whole
@@ -105,21 +105,81 @@ def adapted_weights(module: nn.Module) -> Iterator[None]:
         return
     registered = registered_parameters(module)
     saved = {name: registered.get(name) for name in adapters}
+    remade = []
     for name, adapter in adapters.items():
         a, b = (registered[n] for n in adapter.names)
-        base = saved[name]
-        if adapter.stored is not None:
-            shape, dtype = adapter.stored
-            base = unpack_experts(registered[name + EXPERTS_SUFFIX], shape, dtype).to(a.dtype)
-        registered[name] = torch.baddbmm(base, b.to(base.dtype), a.to(base.dtype), alpha=adapter.scaling)
+        stored = registered.get(name + EXPERTS_SUFFIX)
+        make = partial(_adapted, adapter, saved[name] if stored is None else stored, a, b)
+        registered[name] = make()
+        remade.append(_Remade(registered[name], make))
     try:
-        yield
+        with _made_again_in_backward(remade):
+            yield
     finally:
         for name, value in saved.items():
             if value is None:
                 del registered[name]
             else:
                 registered[name] = value
+
+
+def _adapted(adapter: ExpertAdapter, base: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`base + scaling * B @ A` per expert; `base` the stored NF4 rows when the adapter's base is stored so."""
+    if adapter.stored is not None:
+        shape, dtype = adapter.stored
+        base = unpack_experts(base, shape, dtype).to(a.dtype)
+    return torch.baddbmm(base, b.to(base.dtype), a.to(base.dtype), alpha=adapter.scaling)
+
+
+class _Remade:
+    """A layer's adapted weights: what autograd saves of them (views the experts' code hands its matmuls) is made
+    again in backward from the base and the adapters, once for all of them, and dropped once the last is used."""
+
+    def __init__(self, tensor: torch.Tensor, make: Any) -> None:
+        self.storage, self.make = tensor.untyped_storage().data_ptr(), make
+        self.value: torch.Tensor | None = None
+        self.pending = 0
+
+    def holds(self, tensor: torch.Tensor) -> bool:
+        return tensor.untyped_storage().data_ptr() == self.storage
+
+    def take(self, size: torch.Size, stride: tuple[int, ...], offset: int) -> torch.Tensor:
+        if self.value is None:
+            with torch.no_grad():
+                self.value = self.make()
+        view = self.value.as_strided(size, stride, offset)
+        self.pending -= 1
+        if self.pending <= 0:
+            self.value = None
+        return view
+
+
+@contextmanager
+def _made_again_in_backward(remade: list[_Remade]) -> Iterator[None]:
+    """While it lasts, a tensor autograd saves that is a view of one of `remade`'s adapted weights is kept as the
+    recipe to make it again (`_Remade`), not as the full-precision weight: a layer's adapted (for QLoRA, dequantized)
+    experts live during its forward and again during its backward, not from one to the other. Other tensors go to
+    the saved-tensor hooks in force outside (activation checkpointing's, a memory monitor's), or are kept."""
+    if torch.compiler.is_compiling() or not torch.is_grad_enabled():
+        yield
+        return
+    outer = saved_tensors_hooks_in_force()
+    outer_pack, outer_unpack = outer if outer is not None else (lambda t: t, lambda t: t)
+
+    def pack(tensor: torch.Tensor) -> Any:
+        owner = next((each for each in remade if each.holds(tensor)), None)
+        if owner is None:
+            return ("kept", outer_pack(tensor))
+        owner.pending += 1
+        return ("remade", owner, tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def unpack(packed: Any) -> torch.Tensor:
+        if packed[0] == "kept":
+            return outer_unpack(packed[1])
+        return packed[1].take(*packed[2:])
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
 
 
 def quantize_experts(

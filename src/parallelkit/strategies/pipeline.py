@@ -244,9 +244,6 @@ class PipelineStrategy(ParallelkitStrategy):
     def _run(self, batch: Any, *, train: bool) -> torch.Tensor:
         """One schedule step over a process's batch; returns its mean loss, the same on every stage (for a token
         batch: its share of the step's token mean, summed over the data-parallel group by the caller)."""
-        inputs, target = self.resolved.plan.split_batch(batch)
-        self._check_batch(inputs)
-        accumulate = self.lightning_module.trainer.accumulate_grad_batches if train else 1
         tokens = isinstance(batch, Mapping)
         if tokens and train and self.resolved.plan.auxiliary_loss is not None:
             raise ConfigError(
@@ -255,6 +252,9 @@ class PipelineStrategy(ParallelkitStrategy):
                 "step's token mean, to which the per-microbatch load-balancing loss is not yet added. Fix: "
                 "output_router_logits: false in the model's config, or train it without pp."
             )
+        inputs, target = self.resolved.plan.split_batch(batch)
+        self._check_batch(inputs)
+        accumulate = self.lightning_module.trainer.accumulate_grad_batches if train else 1
         self._step_targets = batch["num_targets"] if tokens else None
         self._training = train
         # Pairs: the whole batch's mean loss is the mean over microbatches, and Lightning would divide by
