@@ -20,6 +20,7 @@ from parallelkit.memory import local_bytes, training_state_bytes
 from parallelkit.mesh import data_parallel_group
 from parallelkit.models import HFCausalLM
 from parallelkit.models.gpt import GPT, MLP, Attention, Block
+from parallelkit.muon import Muon
 
 TINY_LLAMA = {
     "vocab_size": 256,
@@ -802,3 +803,85 @@ class MicrobatchedRouterLoss(HFCausalLM):
         loss = torch.stack(losses).mean()
         self.log("train_loss", loss, on_step=True, prog_bar=True)
         return loss
+
+
+class TorchMuon(Muon):
+    """The reference for `parallelkit.Muon`: torch's own optimizers in one process, on the same split of the
+    parameters (`parallelkit.muon.hidden_matrices`): `torch.optim.Muon` on the matrices (an experts parameter's as
+    one matrix per expert: a view of each slice, given the slice of the gradient) and `torch.optim.AdamW` on the
+    rest, with the group's settings and its scheduled learning rate."""
+
+    _torch: tuple[torch.optim.Optimizer, torch.optim.Optimizer] | None = None
+    _slices: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        (group,) = self.param_groups
+        if self._torch is None:
+            matrices, rest, self._slices = [], [], []
+            for param in group["params"]:
+                if id(param) not in self._muon:
+                    rest.append(param)
+                elif param.dim() == 3:
+                    for expert in range(param.shape[0]):
+                        view = param.detach()[expert]
+                        self._slices.append((view, param, expert))
+                        matrices.append(view)
+                else:
+                    matrices.append(param)
+            settings = ("weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+            muon = torch.optim.Muon(matrices, lr=group["lr"], **{key: group[key] for key in settings})
+            adamw = torch.optim.AdamW(
+                rest, lr=group["lr"], betas=group["adamw_betas"], eps=group["adamw_eps"],
+                weight_decay=group["adamw_weight_decay"],
+            )  # fmt: skip
+            self._torch = (muon, adamw)
+        muon, adamw = self._torch
+        for view, param, expert in self._slices:
+            view.grad = None if param.grad is None else param.grad[expert]
+        muon.param_groups[0]["lr"] = group["lr"]
+        adamw.param_groups[0]["lr"] = group["lr"] * group["adamw_lr_ratio"]
+        muon.step()
+        adamw.step()
+        return loss
+
+
+class InjectedGradients(L.Callback):
+    """Before the optimizer steps `steps`, every parameter's gradient is replaced by the same values in every layout
+    (drawn from the parameter's name and the step; each rank writes its shard of them); at the start of each step in
+    `save_at`, each rank writes `out_dir/step<s>_rank<r>.pt`: the whole value of every parameter it holds. So the
+    optimizer's updates can be compared across layouts bit for bit, free of the gradients' reduction order."""
+
+    def __init__(self, out_dir: str, steps: list[int], save_at: list[int]) -> None:
+        self.out_dir, self.steps, self.save_at = out_dir, steps, save_at
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        import zlib
+
+        from parallelkit.compat import local_box
+
+        if trainer.global_step not in self.steps:
+            return
+        for name, param in pl_module.named_parameters():
+            if param.grad is None:
+                continue
+            seed = zlib.crc32(name.encode()) * 100 + trainer.global_step
+            whole = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 1e-2
+            local, offsets = local_box(param.grad)
+            box = tuple(slice(start, start + size) for start, size in zip(offsets, local.shape))
+            local.copy_(whole[box])
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        step = trainer.global_step
+        if step not in self.save_at:
+            return
+        held = {
+            name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
+            for name, param in pl_module.named_parameters()
+        }
+        os.makedirs(self.out_dir, exist_ok=True)
+        torch.save(held, os.path.join(self.out_dir, f"step{step}_rank{trainer.global_rank}.pt"))

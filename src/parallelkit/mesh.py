@@ -45,6 +45,8 @@ SHARD_MESH = "dp_shard"
 dense parameters are sharded over it."""
 
 EXPERT_SHARD_MESH = "experts_shard"
+STAGE_MESH = "stage"
+"""The axes of a pipeline stage (every axis but `pp`) flattened: the ranks that share the stage's parameters."""
 """Name of the flattened axis that `build` adds over `fsdp` x `cp` when the mesh has ep and cp: the experts of a rank's
 ep coordinate are sharded over it (cp ranks hold the same experts and compute their gradients from other tokens)."""
 
@@ -260,6 +262,9 @@ class MeshSpec:
         experts = tuple(axis for axis in ("fsdp", "cp") if axis in self.names)
         if "ep" in self.names and len(experts) > 1:
             flatten_mesh(mesh[experts], EXPERT_SHARD_MESH)
+        stage = tuple(axis for axis in self.names if axis != "pp")
+        if len(stage) > 1:
+            flatten_mesh(mesh[stage], STAGE_MESH)
         if timeout is not None:
             groups = [mesh.get_group(name) for name in self.names]
             groups += [flat.get_group() for flat in flattened_meshes(mesh).values()]
@@ -320,6 +325,15 @@ def expert_data_mesh(mesh: DeviceMesh) -> DeviceMesh | None:
     if len(axes) == 2:
         return mesh_with_flattened(mesh, tuple(axes))
     return mesh[axes[0]] if axes else None
+
+
+def stage_group(mesh: DeviceMesh | None) -> Any:
+    """The process group of the ranks sharing this rank's parameters (every axis but `pp`); None with no mesh or
+    none of those axes."""
+    names = tuple(axis for axis in (mesh.mesh_dim_names or ()) if axis != "pp") if mesh is not None else ()
+    if not names:
+        return None
+    return mesh[names[0] if len(names) == 1 else STAGE_MESH].get_group()
 
 
 def current_rank() -> int:

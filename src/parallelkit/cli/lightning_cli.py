@@ -18,6 +18,7 @@ from typing import Any
 
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from typing_extensions import override
 
 from parallelkit.checkpoint import CheckpointError, check_readable
@@ -26,6 +27,7 @@ from parallelkit.compat import parser_keys
 from parallelkit.errors import ConfigError, ParallelkitError
 from parallelkit.init import meta_parameters
 from parallelkit.mesh import data_parallel_size
+from parallelkit.muon import Muon
 
 
 class ParallelkitCLI(LightningCLI):
@@ -57,6 +59,7 @@ class ParallelkitCLI(LightningCLI):
         optimizer left holding the originals would step tensors the model no longer uses. Parameters are
         matched by name, which sharding keeps.
         """
+        _muon_for_torchs(self.config_init.get(str(subcommand), self.config_init))
         super()._add_configure_optimizers_method_to_model(subcommand)
         configure = getattr(self.model.configure_optimizers, "__func__", None)
         optimizer = getattr(configure, "keywords", {}).get("optimizer")
@@ -69,6 +72,8 @@ class ParallelkitCLI(LightningCLI):
             current = dict(module.named_parameters())
             for group, wanted in zip(optimizer.param_groups, group_names):
                 group["params"] = [current[name] for name in wanted if name in current]
+            if isinstance(optimizer, Muon):
+                optimizer.split(module)  # which parameters are matrices, by name (under any strategy)
             return configure(module)
 
         update_wrapper(rebound, configure)  # Lightning's is_overridden() reads the wrapped function
@@ -292,3 +297,16 @@ def check_strategy_name(name: str) -> None:
         f" Registered (Lightning's, parallelkit's and installed plugins'): {', '.join(names)}. Fix: one of these "
         "names, or a class_path; `parallelkit plugins` lists plugins that failed to load."
     )
+
+
+def _muon_for_torchs(config: Any) -> None:
+    """`--optimizer=torch.optim.Muon` runs as `parallelkit.Muon`: torch's takes 2-D parameters alone (it refuses a
+    model's norms and biases), parallelkit's runs torch's Muon on the hidden matrices and AdamW on the rest, with the
+    same arguments."""
+    optimizer = config.get("optimizer") if hasattr(config, "get") else None
+    if optimizer is not None and getattr(optimizer, "class_path", None) == "torch.optim.Muon":
+        optimizer.class_path = "parallelkit.Muon"
+        rank_zero_info(
+            "--optimizer=torch.optim.Muon: parallelkit.Muon runs it on the hidden matrices (linear layers' weights "
+            "but the output layer's, experts per expert, LoRA adapters) and AdamW on the rest."
+        )

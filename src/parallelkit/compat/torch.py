@@ -290,3 +290,18 @@ def model_class_name(model: Module) -> str:
     from torch.distributed.fsdp import FSDPModule
 
     return next(c for c in type(model).__mro__ if not issubclass(c, FSDPModule)).__name__
+
+
+def muon_orthogonalize(update: Tensor, coefficients: Any, steps: int, eps: float) -> Tensor:
+    """torch's Muon's Newton-Schulz orthogonalisation of a matrix (`torch.optim._muon._zeropower_via_newtonschulz`:
+    in bf16, its result bf16), so a distributed Muon computes exactly what `torch.optim.Muon` does."""
+    from torch.optim._muon import _zeropower_via_newtonschulz
+
+    return _zeropower_via_newtonschulz(update, coefficients, steps, eps)
+
+
+def muon_adjusted_lr(lr: float, adjust_lr_fn: str | None, shape: Any) -> float:
+    """torch's Muon's learning rate for a matrix of `shape` (`torch.optim._muon._adjust_lr`)."""
+    from torch.optim._muon import _adjust_lr
+
+    return _adjust_lr(lr, adjust_lr_fn, shape)

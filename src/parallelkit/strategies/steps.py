@@ -32,6 +32,8 @@ from parallelkit.compat import (
 )
 from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import settle_gradients
+from parallelkit.mesh import stage_group
+from parallelkit.muon import Muon
 from parallelkit.optim import compile_step, mixes_plain_and_dtensors, replicate_plain_tensors
 from parallelkit.parallel.context_parallel import SequenceSplit, split_batch
 from parallelkit.parallel.replica_groups import CommitGate, GroupState, ReplicaGroup, describe_layout
@@ -83,6 +85,13 @@ class ParallelSteps:
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         for optimizer in self.optimizers:
+            if isinstance(optimizer, Muon):  # its matrices by name, gathered among the ranks of this stage
+                if self.optimizer_backend():
+                    raise ConfigError(
+                        "compile_optimizer with parallelkit.Muon: its step sends shards of each matrix between "
+                        "ranks, which torch.compile does not trace. Fix: compile_optimizer: false."
+                    )
+                optimizer.split(self.lightning_module, stage_group(self.device_mesh))
             if self.optimizer_backend():
                 compile_step(optimizer, self.optimizer_backend())
             if self.data_parallel.replicate_plain_tensors and mixes_plain_and_dtensors(optimizer):
