@@ -477,3 +477,21 @@ def test_for_a_long_sequence_the_planner_tries_cp_layouts_and_picks_one_when_not
         six_heads = GPT(n_layer=2, n_head=6, n_embd=384)
     ulysses = recommend(six_heads, replace(long, cp_method="ulysses"), node, pipeline=False)[0]
     assert {e.mesh for e in ulysses if '"cp"' in e.mesh} == {'[[4, 2, 1], ["fsdp", "cp", "tp"]]'}  # 6 heads / cp
+
+
+def test_muon_keeps_one_state_per_matrix_element_and_adds_its_exchange_to_the_traffic():
+    """`--optimizer muon` on [[4], ["fsdp"]]: the optimizer state is one fp32 buffer per element of the matrices Muon
+    takes (`hidden_matrices`) and AdamW's two for the rest, each rank a quarter; the traffic gains each rank's shard
+    of the matrices sent in fp32 and received in bf16, twice (its own, and the owner's share)."""
+    from parallelkit.muon import hidden_matrices
+
+    model = reference_gpt_on_meta()
+    matrices = sum(model.get_parameter(name).numel() for name in hidden_matrices(model))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    prof, mesh, hw = profile(model, 32), MeshSpec((4,), ("fsdp",)), Hardware(1, 4, 80e9)
+    adamw, muon = (estimate(prof, mesh, Workload(32, 2, optimizer=kind), hw) for kind in ("adamw", "muon"))
+    assert adamw.optimizer == pytest.approx(8 * trainable / 4)
+    assert muon.optimizer == pytest.approx((4 * matrices + 8 * (trainable - matrices)) / 4)
+    assert muon.params == adamw.params and muon.grads == adamw.grads
+    assert muon.comm["fsdp"] - adamw.comm["fsdp"] == pytest.approx(2 * 6 * matrices / 4)
+    assert 0.5 < matrices / trainable < 1  # the blocks' linear layers, not the embedding and head

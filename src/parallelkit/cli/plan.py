@@ -145,7 +145,7 @@ def plan_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--optimizer",
-        choices=["adamw", "adam", "sgd_momentum", "sgd"],
+        choices=["adamw", "adam", "sgd_momentum", "sgd", "muon"],
         default="adamw",
         help="what the optimizer state is sized for (default: %(default)s)",
     )

@@ -15,6 +15,7 @@ from parallelkit.errors import PlanError
 from parallelkit.lora import WHOLE_UNDER, LoRALinear, wants_nf4
 from parallelkit.lora_experts import unquantized_experts
 from parallelkit.memory import SavedTensorLedger, nbytes, nf4_bytes
+from parallelkit.muon import hidden_matrices
 from parallelkit.parallel.resolve import expand_tp, gathered_inside, resolve
 from parallelkit.planner.records import Layer, ModelProfile
 from parallelkit.quantize import expert_nf4_bytes
@@ -60,6 +61,7 @@ def profile(
     names = list(resolved.pipeline_layers)  # none when not pipelinable (e.g. tied embeddings): no pipeline layout
     units = set(resolved.fsdp_units)
     experts = [model.get_submodule(name) for name in resolved.experts]
+    muon = {id(model.get_parameter(name)) for name in hidden_matrices(model)}
     expert_params = {id(p) for module in experts for p in module.parameters()}
     sharded: set[int] = set()
     tp_modules: list[tuple[nn.Module, str]] = []
@@ -187,6 +189,7 @@ def profile(
                 tp_trainable=sum(p.numel() for p in params if p.requires_grad and id(p) in sharded),
                 experts=sum(p.numel() for p in params if id(p) in expert_params),
                 trainable_experts=sum(p.numel() for p in params if p.requires_grad and id(p) in expert_params),
+                matrices=sum(p.numel() for p in params if id(p) in muon),
                 routed=sum(v for k, v in routed.items() if k in members),
                 quantized=sum(m.weight.numel() for m in module.modules() if wants_nf4(m)) + sum(nf4_experts[0]),
                 quantized_bytes=sum(nf4_bytes(m.weight.numel()) for m in module.modules() if wants_nf4(m))

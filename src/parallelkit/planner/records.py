@@ -6,8 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0}
-"""fp32 states per parameter that each optimizer keeps."""
+OPTIMIZER_STATES = {"adamw": 2, "adam": 2, "sgd_momentum": 1, "sgd": 0, "muon": 2}
+"""fp32 states per parameter that each optimizer keeps (Muon: for the parameters AdamW takes; its matrices 1)."""
 
 MEMORY_HEADROOM = 0.1
 """The share of each device's memory a layout must leave free to be planned as fitting: what the estimate does not
@@ -117,6 +117,8 @@ class Layer:
     quantized: int = 0
     """Parameters stored as NF4 (QLoRA's base weights), held, gathered and sent as `quantized_bytes` in all."""
     quantized_bytes: float = 0.0
+    matrices: int = 0
+    """Trainable parameters `parallelkit.Muon` takes (`parallelkit.muon.hidden_matrices`): one state each."""
     quantized_experts: int = 0
     """Of `quantized`, the experts' (stored per expert, divided over ep with their experts), in
     `quantized_experts_bytes`."""
