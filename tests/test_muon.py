@@ -11,15 +11,16 @@ which every parameter must equal the reference's bit for bit; then it trains on 
 import pytest
 import torch
 import yaml
+from snippets import parallelkit_args, snippet
 from support import REPO, assert_ok, assert_same_losses, callback, checkpoint_every, common, fit, step_losses
 
 from parallelkit.errors import ConfigError
 from parallelkit.models import GPT, HFCausalLM
 from parallelkit.muon import Muon, hidden_matrices
 
-SETTINGS = ("--optimizer.lr=0.02", "--optimizer.adjust_lr_fn=match_rms_adamw")  # one lr for both parts
-OURS = ("--optimizer=torch.optim.Muon", *SETTINGS)  # torch's name, as users write it: run as parallelkit.Muon
-REFERENCE = ("--optimizer=models.TorchMuon", *SETTINGS)
+COMMAND, FLAG, GUIDE_CONFIG, *GUIDE = parallelkit_args("muon-fit")  # the guide's command (docs/guides/muon.md)
+OURS = tuple(GUIDE)  # torch's name, as users write it, run as parallelkit.Muon; one lr for both parts
+REFERENCE = ("--optimizer=models.TorchMuon", *OURS[1:])
 STEPS = 8
 INJECTED = callback("models.InjectedGradients", out_dir="params", steps=[0, 1, 4, 5], save_at=[2, 6])
 """The same gradients in every layout at steps 0, 1 (and 4, 5: after a resume from step 4); parameters saved at 2
@@ -89,6 +90,11 @@ def layouts(tmp_path_factory, corpus):
     return get
 
 
+def test_the_guides_command_is_the_one_run_here():
+    assert (COMMAND, FLAG, GUIDE_CONFIG) == ("fit", "--config", "configs/hybrid.yaml")
+    assert OURS[0] == "--optimizer=torch.optim.Muon"
+
+
 @pytest.mark.parametrize(("config", "layout"), RUNS)
 def test_muon_steps_equal_torchs_muon_and_adamw_in_one_process(torch_muon, layouts, config, layout):
     """Given the same gradients (steps 0 and 1), every parameter after two steps equals torch's optimizers' in one
@@ -154,6 +160,11 @@ def test_the_rule_takes_linear_weights_and_experts_and_one_process_is_torchs_own
             "mlp.experts.gate_up_proj_lora_A", "mlp.experts.gate_up_proj_lora_B",
         )
     ]  # fmt: skip
+
+    scope: dict = {}
+    exec(snippet("muon-python").text, scope)  # the guide's module: Muon on its linear layers, AdamW on the rest
+    guide = scope["MyModel"]().configure_optimizers()
+    assert guide.muon_parameters() == ["hidden.weight", "head.weight"]
 
     bare = Muon(ours.parameters())
     ours.pipeline_loss(ours(tokens[:, :-1]), tokens[:, 1:]).backward()

@@ -28,6 +28,8 @@ KINDS = {
     "barrier": "barrier",
     "send": "send",
     "recv": "recv",
+    "gather": "gather",  # after all_gather's names: `parallelkit.Muon` sends each matrix's shards to its owner
+    "scatter": "scatter",  # after reduce_scatter's: and the owner's result back
 }
 """Substrings of c10d / functional-collective op names -> the kind they are counted under."""
 
