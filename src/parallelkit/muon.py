@@ -216,7 +216,9 @@ class Muon(torch.optim.Optimizer):
             None if i in sharded else _newton_schulz(update, settings) for i, update in enumerate(updates)
         ]
         if sharded:
-            exchanged = _Exchange(self, [params[i] for i in sharded], [updates[i] for i in sharded])
+            chosen = [params[i] for i in sharded]
+            names = tuple(self._names.get(id(p), str(i)) for i, p in enumerate(chosen))
+            exchanged = _Exchange(self._group, chosen, [updates[i] for i in sharded], names, self._boxes)
             for i, result in zip(sharded, exchanged.run(settings)):
                 results[i] = result
         return results  # type: ignore[return-value]
@@ -241,16 +243,21 @@ class _Exchange:
     the owner's orthogonalised matrix back in shards (bf16). Owners are given matrices largest first, each to the
     rank with the fewest elements so far; every rank of the group computes the same assignment."""
 
-    def __init__(self, optimizer: Muon, params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
-        group = optimizer._group
+    def __init__(
+        self,
+        group: Any,
+        params: list[torch.Tensor],
+        updates: list[torch.Tensor],
+        names: tuple[str, ...],
+        boxes: dict[tuple[str, ...], Any],
+    ) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
         self.params, self.updates = params, updates
-        key = tuple(optimizer._names.get(id(p), str(i)) for i, p in enumerate(params))
-        if key not in optimizer._boxes:
-            optimizer._boxes[key] = self._all_boxes()
-        self.boxes = optimizer._boxes[key]  # per parameter, per group rank: (offsets, shape) of its shard
+        if names not in boxes:  # the shards' places, exchanged once for a set of parameters (`boxes` keeps them)
+            boxes[names] = self._all_boxes()
+        self.boxes = boxes[names]  # per parameter, per group rank: (offsets, shape) of its shard
         load = [0] * self.size
         self.owners = [0] * len(params)
         for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
