@@ -37,10 +37,9 @@ LAYOUTS = {
     ),
 }
 RUNS = [
-    ("hybrid.yaml", "fsdp_tp"),
-    ("hybrid.yaml", "1f1b_pp2_fsdp2"),
-    ("hf_llama.yaml", "fsdp4"),
+    *((config, layout) for config in ("hybrid.yaml", "hf_llama.yaml") for layout in LAYOUTS),  # GPT, HF Llama
     ("moe.yaml", "fsdp_tp"),  # Qwen3-MoE on [[2, 2], ["fsdp", "ep"]]: the experts a matrix each
+    ("lora.yaml", "fsdp_tp"),  # LoRA adapters on a Llama: Muon's matrices, tp-sharded as their layers
 ]
 
 
