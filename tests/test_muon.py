@@ -117,6 +117,17 @@ def test_a_checkpoint_resumes_in_another_layout_with_the_same_updates(tmp_path, 
     assert_bit_for_bit(parameters(saved, 6), parameters(tmp_path, 6))
 
 
+def test_accumulation_and_clipping_act_before_its_step_as_for_any_optimizer(tmp_path_factory, corpus):
+    """Gradients accumulated over 2 micro-batches and clipped to norm 0.05 on fsdp x tp: given the same gradients, the
+    parameters after two steps equal torch's optimizers' in one process with the same clipping, bit for bit (the norm
+    is the whole model's: the same coefficient)."""
+    clip = "--trainer.gradient_clip_val=0.05"
+    reference = run(tmp_path_factory, corpus, "hybrid.yaml", *REFERENCE, *ONE_PROCESS, clip)
+    accumulated = ("--trainer.accumulate_grad_batches=2", "--data.init_args.batch_size=2", clip)
+    ours = run(tmp_path_factory, corpus, "hybrid.yaml", *OURS, *accumulated)
+    assert_bit_for_bit(parameters(reference, 2), parameters(ours, 2))
+
+
 def test_the_rule_takes_linear_weights_and_experts_and_one_process_is_torchs_own():
     """Muon takes the blocks' linear weights; the embedding, norms and the output layer go to AdamW; a Qwen3-MoE's
     experts' stacked parameters are Muon's too (its routers, no linear layers, AdamW's), LoRA's adapters (dense and
