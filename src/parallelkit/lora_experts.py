@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from parallelkit.compat import local_box, registered_parameters, saved_tensors_hooks_in_force
+from parallelkit.compat import local_box, registered_parameters, saved_tensors_hooks_in_force, storage_key
 from parallelkit.contract import EXPERT_WEIGHTS_HOOK, matches_suffix
 from parallelkit.errors import ConfigError
 from parallelkit.init import set_whole
@@ -136,12 +136,12 @@ class _Remade:
     again in backward from the base and the adapters, once for all of them, and dropped once the last is used."""
 
     def __init__(self, tensor: torch.Tensor, make: Any) -> None:
-        self.storage, self.make = tensor.untyped_storage().data_ptr(), make
+        self.storage, self.make = storage_key(tensor), make  # identity, not address (meta tensors share 0)
         self.value: torch.Tensor | None = None
         self.pending = 0
 
     def holds(self, tensor: torch.Tensor) -> bool:
-        return tensor.untyped_storage().data_ptr() == self.storage
+        return storage_key(tensor) == self.storage
 
     def take(self, size: torch.Size, stride: tuple[int, ...], offset: int) -> torch.Tensor:
         if self.value is None:

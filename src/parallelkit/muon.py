@@ -17,6 +17,7 @@ modules, each expert's slice a matrix of its own. Embeddings, norms, biases and 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 from typing import Any
 
@@ -277,30 +278,31 @@ class _Exchange:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
     def run(self, settings: tuple[Any, ...]) -> list[torch.Tensor]:
-        gathered, works = [], []
+        gathered, sending, works = [], [], []  # the buffers live until their collectives are waited for
         for i, update in enumerate(self.updates):
-            width = max(_numel(shape) for _, shape in self.boxes[i])
+            width = max(math.prod(shape) for _, shape in self.boxes[i])
             sent = torch.zeros(width, dtype=update.dtype, device=update.device)
             sent[: update.numel()] = update.reshape(-1)
             mine = self.owners[i] == self.rank
             received = [torch.empty_like(sent) for _ in range(self.size)] if mine else None
             works.append(dist.gather(sent, received, dst=self._global(self.owners[i]), group=self.group, async_op=True))
             gathered.append(received)
+            sending.append(sent)
         for work in works:
             work.wait()
         outgoing, results, works = [], [], []
         for i, (param, update) in enumerate(zip(self.params, self.updates)):
-            width = max(_numel(shape) for _, shape in self.boxes[i])
+            width = max(math.prod(shape) for _, shape in self.boxes[i])
             pieces = None
             if self.owners[i] == self.rank:
                 whole = torch.empty(param.shape, dtype=update.dtype, device=update.device)
                 for (offsets, shape), piece in zip(self.boxes[i], gathered[i]):
-                    whole[_box(offsets, shape)] = piece[: _numel(shape)].view(shape)
+                    whole[_box(offsets, shape)] = piece[: math.prod(shape)].view(shape)
                 done = _newton_schulz(whole, settings)
                 pieces = []
                 for offsets, shape in self.boxes[i]:
                     piece = torch.zeros(width, dtype=done.dtype, device=done.device)
-                    piece[: _numel(shape)] = done[_box(offsets, shape)].reshape(-1)
+                    piece[: math.prod(shape)] = done[_box(offsets, shape)].reshape(-1)
                     pieces.append(piece)
             result = torch.empty(width, dtype=torch.bfloat16, device=update.device)
             works.append(
@@ -311,13 +313,6 @@ class _Exchange:
         for work in works:
             work.wait()
         return [result[: update.numel()].view(update.shape) for result, update in zip(results, self.updates)]
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
 
 
 def _box(offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:
