@@ -45,10 +45,12 @@ SHARD_MESH = "dp_shard"
 dense parameters are sharded over it."""
 
 EXPERT_SHARD_MESH = "experts_shard"
-STAGE_MESH = "stage"
-"""The axes of a pipeline stage (every axis but `pp`) flattened: the ranks that share the stage's parameters."""
 """Name of the flattened axis that `build` adds over `fsdp` x `cp` when the mesh has ep and cp: the experts of a rank's
 ep coordinate are sharded over it (cp ranks hold the same experts and compute their gradients from other tokens)."""
+
+STAGE_MESH = "stage"
+"""The axes of a pipeline stage (every axis but `pp`) flattened: the ranks that share the stage's parameters
+(`parallelkit.Muon` gathers each matrix's shards among them)."""
 
 TOKEN_MESH = "dp_cp"
 """Name of the flattened axis that `build` adds over the data-parallel axes and `cp` when the mesh has cp: the ranks
@@ -240,7 +242,8 @@ class MeshSpec:
 
         Flattened axes are added under Lightning's names (`LIGHTNING_AXES`): `mesh["data_parallel"]` spans every
         data-parallel axis (the sampler's and metrics' group), `mesh["tensor_parallel"]` is tp; with an `ep` axis,
-        `mesh["dp_shard"]` spans `fsdp` x `ep` (what dense parameters are sharded over). `timeout`: how long a
+        `mesh["dp_shard"]` spans `fsdp` x `ep` (what dense parameters are sharded over); with several axes besides `pp`,
+        `mesh["stage"]` spans them (`STAGE_MESH`). `timeout`: how long a
         collective on any of the mesh's groups may wait (torch gives the groups a mesh creates its 30-minute default,
         not the default group's timeout); None leaves torch's.
         """
