@@ -267,7 +267,7 @@ def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[s
     seed = torch.initial_seed()
     for name, module in chosen:
         if type(module) is nn.Linear:
-            _adapt(module, lora, seed=(seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            _adapt(module, lora, seed=_adapter_seed(seed, name))
     for owner, attrs in experts.items():
         if lora.dropout:
             raise ConfigError(
@@ -275,7 +275,7 @@ def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[s
                 "adapters on experts' parameters take no dropout (as PEFT's parameter adapters). Fix: lora.dropout: "
                 "0, or adapt the dense layers only."
             )
-        seeds = [(seed * 1_000_003 + zlib.crc32(f"{owner}.{attr}".encode())) % 2**63 for attr in attrs]
+        seeds = [_adapter_seed(seed, f"{owner}.{attr}") for attr in attrs]
         adapt_experts(held[owner], attrs, lora.rank, lora.scaling, seeds, lora.quantize_base)
     if lora.quantize_base:
         nf4_available()  # asking for NF4 without torchao: one clear error, at build time
@@ -288,6 +288,12 @@ def add_adapters(model: nn.Module, lora: LoRA | dict[str, Any] | None) -> list[s
     return [name for name, module in chosen if isinstance(module, LoRALinear)] + [
         f"{owner}.{attr}" for owner, attrs in experts.items() for attr in attrs
     ]
+
+
+def _adapter_seed(seed: int, name: str) -> int:
+    """The seed of the adapters on `name` (a module or an experts parameter): the run's and the name's, so their
+    draw is the same in every layout and build."""
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63
 
 
 QUANTIZED_TP_REFUSAL = (

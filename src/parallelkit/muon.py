@@ -128,7 +128,8 @@ class Muon(torch.optim.Optimizer):
         self._muon: set[int] | None = None  # ids of Muon's parameters, once split
         self._names: dict[int, str] = {}
         self._group: Any = None  # the process group whose ranks share the matrices (a pipeline stage's)
-        self._boxes: dict[tuple[str, ...], Any] = {}
+        self._adamw: list[torch.optim.AdamW | None] = []  # per group: torch's AdamW on its other parameters
+        self._layouts: dict[tuple[str, ...], _Layout] = {}  # the sharded matrices' shards and owners, once known
         if model is not None:
             self.split(model)
 
@@ -147,6 +148,9 @@ class Muon(torch.optim.Optimizer):
         self._names = {id(p): names[id(p)] for p in held}
         self._muon = {id(p) for p in held if names[id(p)] in matrices}
         self._group = group
+        self._layouts = {}
+        rest = [[p for p in group_["params"] if id(p) not in self._muon] for group_ in self.param_groups]
+        self._adamw = [torch.optim.AdamW(params) if params else None for params in rest]
 
     def muon_parameters(self) -> list[str]:
         """The names of the parameters Muon updates (the rest AdamW), once split."""
@@ -164,23 +168,23 @@ class Muon(torch.optim.Optimizer):
                 "parallelkit strategy split them. Fix: Muon(self, lr=...) with the module itself in "
                 "configure_optimizers (or train under a parallelkit strategy)."
             )
-        for group in self.param_groups:
-            self._adamw_step(group, [p for p in group["params"] if id(p) not in self._muon and p.grad is not None])
+        for group, adamw in zip(self.param_groups, self._adamw):
+            if adamw is not None:
+                self._adamw_step(group, adamw)
             self._muon_step(group, [p for p in group["params"] if id(p) in self._muon and p.grad is not None])
         return loss
 
-    def _adamw_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
-        """torch's AdamW on `params` with this group's AdamW settings, its state kept in this optimizer's."""
-        if not params:
-            return
-        adamw = torch.optim.AdamW(
-            params,
+    def _adamw_step(self, group: dict[str, Any], adamw: torch.optim.AdamW) -> None:
+        """torch's AdamW on the group's other parameters, with the group's AdamW settings as they are now (a schedule
+        changes the learning rate) and its state kept in this optimizer's (per parameter: step, exp_avg,
+        exp_avg_sq, as torch's AdamW keeps them; `load_state_dict` replaces that dict)."""
+        adamw.state = self.state
+        adamw.param_groups[0].update(
             lr=group["lr"] * group["adamw_lr_ratio"],
             betas=group["adamw_betas"],
             eps=group["adamw_eps"],
             weight_decay=group["adamw_weight_decay"],
         )
-        adamw.state = self.state  # per parameter: step, exp_avg, exp_avg_sq, as torch's AdamW keeps them
         adamw.step()
 
     def _muon_step(self, group: dict[str, Any], params: list[torch.Tensor]) -> None:
@@ -219,8 +223,11 @@ class Muon(torch.optim.Optimizer):
         if sharded:
             chosen = [params[i] for i in sharded]
             names = tuple(self._names.get(id(p), str(i)) for i, p in enumerate(chosen))
-            exchanged = _Exchange(self._group, chosen, [updates[i] for i in sharded], names, self._boxes)
-            for i, result in zip(sharded, exchanged.run(settings)):
+            if names not in self._layouts:  # the same matrices every step: their shards' places found once
+                self._layouts[names] = _Layout(self._group, chosen)
+            for i, result in zip(
+                sharded, self._layouts[names].exchange(chosen, [updates[i] for i in sharded], settings)
+            ):
                 results[i] = result
         return results  # type: ignore[return-value]
 
@@ -239,60 +246,49 @@ def _newton_schulz(update: torch.Tensor, settings: tuple[Any, ...]) -> torch.Ten
     return muon_orthogonalize(update, coefficients, steps, eps)
 
 
-class _Exchange:
-    """One step's trip of the sharded matrices: each rank's shards of each matrix's update to the matrix's owner,
-    the owner's orthogonalised matrix back in shards (bf16). Owners are given matrices largest first, each to the
-    rank with the fewest elements so far; every rank of the group computes the same assignment."""
+class _Layout:
+    """Where the shards of a set of sharded matrices lie among the group's ranks, and which rank owns each matrix:
+    owners are given matrices largest first, each to the rank with the fewest elements so far (every rank computes
+    the same assignment). Found once (`all_gather_object` of each rank's boxes); each step's `exchange` sends each
+    rank's shards of each matrix's update to its owner and the orthogonalised matrix back in shards (bf16)."""
 
-    def __init__(
-        self,
-        group: Any,
-        params: list[torch.Tensor],
-        updates: list[torch.Tensor],
-        names: tuple[str, ...],
-        boxes: dict[tuple[str, ...], Any],
-    ) -> None:
+    def __init__(self, group: Any, params: list[torch.Tensor]) -> None:
         self.group = group
         self.size = dist.get_world_size(group)
         self.rank = dist.get_rank(group)
-        self.params, self.updates = params, updates
-        if names not in boxes:  # the shards' places, exchanged once for a set of parameters (`boxes` keeps them)
-            boxes[names] = self._all_boxes()
-        self.boxes = boxes[names]  # per parameter, per group rank: (offsets, shape) of its shard
+        mine = []
+        for param in params:
+            local, offsets = local_box(param)
+            mine.append((tuple(offsets), tuple(local.shape)))
+        everyone: list[Any] = [None] * self.size
+        dist.all_gather_object(everyone, mine, group=group)
+        # per matrix, per group rank: (offsets, shape) of its shard; and the largest shard's size (the padding)
+        self.boxes = [[everyone[rank][i] for rank in range(self.size)] for i in range(len(params))]
+        self.widths = [max(math.prod(shape) for _, shape in boxes) for boxes in self.boxes]
         load = [0] * self.size
         self.owners = [0] * len(params)
         for i in sorted(range(len(params)), key=lambda i: -params[i].numel()):
             self.owners[i] = min(range(self.size), key=lambda rank: (load[rank], rank))
             load[self.owners[i]] += params[i].numel()
 
-    def _all_boxes(self) -> list[list[tuple[tuple[int, ...], tuple[int, ...]]]]:
-        mine = []
-        for param in self.params:
-            local, offsets = local_box(param)
-            mine.append((tuple(offsets), tuple(local.shape)))
-        everyone: list[Any] = [None] * self.size
-        dist.all_gather_object(everyone, mine, group=self.group)
-        return [[everyone[rank][i] for rank in range(self.size)] for i in range(len(self.params))]
-
     def _global(self, rank: int) -> int:
         return dist.get_global_rank(self.group, rank) if self.group is not None else rank
 
-    def run(self, settings: tuple[Any, ...]) -> list[torch.Tensor]:
+    def exchange(
+        self, params: list[torch.Tensor], updates: list[torch.Tensor], settings: tuple[Any, ...]
+    ) -> list[torch.Tensor]:
         gathered, sending, works = [], [], []  # the buffers live until their collectives are waited for
-        for i, update in enumerate(self.updates):
-            width = max(math.prod(shape) for _, shape in self.boxes[i])
+        for update, width, owner in zip(updates, self.widths, self.owners):
             sent = torch.zeros(width, dtype=update.dtype, device=update.device)
             sent[: update.numel()] = update.reshape(-1)
-            mine = self.owners[i] == self.rank
-            received = [torch.empty_like(sent) for _ in range(self.size)] if mine else None
-            works.append(dist.gather(sent, received, dst=self._global(self.owners[i]), group=self.group, async_op=True))
+            received = [torch.empty_like(sent) for _ in range(self.size)] if owner == self.rank else None
+            works.append(dist.gather(sent, received, dst=self._global(owner), group=self.group, async_op=True))
             gathered.append(received)
             sending.append(sent)
         for work in works:
             work.wait()
         outgoing, results, works = [], [], []
-        for i, (param, update) in enumerate(zip(self.params, self.updates)):
-            width = max(math.prod(shape) for _, shape in self.boxes[i])
+        for i, (param, update) in enumerate(zip(params, updates)):
             pieces = None
             if self.owners[i] == self.rank:
                 whole = torch.empty(param.shape, dtype=update.dtype, device=update.device)
@@ -301,10 +297,10 @@ class _Exchange:
                 done = _newton_schulz(whole, settings)
                 pieces = []
                 for offsets, shape in self.boxes[i]:
-                    piece = torch.zeros(width, dtype=done.dtype, device=done.device)
+                    piece = torch.zeros(self.widths[i], dtype=done.dtype, device=done.device)
                     piece[: math.prod(shape)] = done[_box(offsets, shape)].reshape(-1)
                     pieces.append(piece)
-            result = torch.empty(width, dtype=torch.bfloat16, device=update.device)
+            result = torch.empty(self.widths[i], dtype=torch.bfloat16, device=update.device)
             works.append(
                 dist.scatter(result, pieces, src=self._global(self.owners[i]), group=self.group, async_op=True)
             )
@@ -312,7 +308,7 @@ class _Exchange:
             results.append(result)
         for work in works:
             work.wait()
-        return [result[: update.numel()].view(update.shape) for result, update in zip(results, self.updates)]
+        return [result[: update.numel()].view(update.shape) for result, update in zip(results, updates)]
 
 
 def _box(offsets: tuple[int, ...], shape: tuple[int, ...]) -> tuple[slice, ...]:

@@ -232,6 +232,13 @@ def _estimate(share: _Share, hw: Hardware) -> Estimate:
     """The rank's memory, traffic and step time, from its share as the axes left it (`step_s`: this rank's)."""
     prof, spec, work, layers = share.prof, share.spec, share.work, share.layers
     param_bytes = sum(_in_bytes(layers, share.params, 4)) / share.shards
+    matrix_share = sum(layer.matrices for layer in layers) / max(sum(layer.trainable for layer in layers), 1)
+    ranks = [axis for axis, size in zip(spec.names, spec.sizes) if axis != "pp" and size > 1]
+    if work.optimizer == "muon" and ranks:
+        # Each matrix's update goes to its owner among the stage's ranks and its orthogonalised shards come back
+        # (`parallelkit.muon`): per rank about its shard of every matrix sent in fp32 and received in bf16, and as
+        # much again for the matrices it owns; counted on the stage's outermost axis.
+        share.comm[ranks[0]] = share.comm.get(ranks[0], 0.0) + 2 * 6 * share.trained * matrix_share / share.shards
     comm = {axis: share.comm[axis] for axis in sorted(share.comm, key=_listed)}
     tokens = work.micro_batch * work.seq_len * work.accumulate
     part = sum(layer.params for layer in layers) / max(prof.params, 1)
@@ -243,16 +250,8 @@ def _estimate(share: _Share, hw: Hardware) -> Estimate:
     seconds = compute + sum(b / (_bandwidth(spec, axis, hw) * 1e9) for axis, b in comm.items())
     grads = share.trained / share.shards * 4
     states = OPTIMIZER_STATES[work.optimizer]
-    if work.optimizer == "muon":
-        # One momentum buffer per matrix element, AdamW's two for the rest; each matrix's update goes to its owner
-        # among the stage's ranks and its orthogonalised shards come back (`parallelkit.muon`): per rank about its
-        # shard of every matrix sent in fp32 and received in bf16, and as much again for the matrices it owns.
-        share_of = sum(layer.matrices for layer in layers) / max(sum(layer.trainable for layer in layers), 1)
-        states -= share_of
-        ranks = [axis for axis, size in zip(spec.names, spec.sizes) if axis != "pp" and size > 1]
-        if ranks:
-            comm[ranks[0]] = comm.get(ranks[0], 0.0) + 2 * 6 * share.trained * share_of / share.shards
-            seconds += 2 * 6 * share.trained * share_of / share.shards / (_bandwidth(spec, ranks[0], hw) * 1e9)
+    if work.optimizer == "muon":  # one momentum buffer per matrix element, AdamW's two for the rest
+        states -= matrix_share
     return Estimate(
         str(spec),
         share.schedule,
