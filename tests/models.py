@@ -805,14 +805,44 @@ class MicrobatchedRouterLoss(HFCausalLM):
         return loss
 
 
-class TorchMuon(Muon):
-    """The reference for `parallelkit.Muon`: torch's own optimizers in one process, on the same split of the
-    parameters (`parallelkit.muon.hidden_matrices`): `torch.optim.Muon` on the matrices (an experts parameter's as
-    one matrix per expert: a view of each slice, given the slice of the gradient) and `torch.optim.AdamW` on the
-    rest, with the group's settings and its scheduled learning rate."""
+class TorchOptimizers:
+    """torch's own optimizers on parallelkit.Muon's split: `torch.optim.Muon` on `matrices` (an experts parameter
+    [E, ...] as one matrix per expert: a view of each slice, given that slice of the gradient) and `torch.optim.AdamW`
+    on `rest`, with a parallelkit.Muon group's settings (`group`; its learning rate as scheduled at each step)."""
 
-    _torch: tuple[torch.optim.Optimizer, torch.optim.Optimizer] | None = None
-    _slices: list[tuple[torch.Tensor, torch.Tensor, int]] = []
+    def __init__(self, matrices: list[torch.Tensor], rest: list[torch.Tensor], group: dict) -> None:
+        views, self.slices = [], []
+        for param in matrices:
+            if param.dim() == 3:
+                for expert in range(param.shape[0]):
+                    view = param.detach()[expert]
+                    self.slices.append((view, param, expert))
+                    views.append(view)
+            else:
+                views.append(param)
+        settings = ("weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+        self.muon = torch.optim.Muon(views, lr=group["lr"], **{key: group[key] for key in settings})
+        self.adamw = torch.optim.AdamW(
+            rest, lr=group["lr"], betas=group["adamw_betas"], eps=group["adamw_eps"],
+            weight_decay=group["adamw_weight_decay"],
+        ) if rest else None  # fmt: skip
+
+    @torch.no_grad()
+    def step(self, group: dict) -> None:
+        for view, param, expert in self.slices:
+            view.grad = None if param.grad is None else param.grad[expert]
+        self.muon.param_groups[0]["lr"] = group["lr"]
+        self.muon.step()
+        if self.adamw is not None:
+            self.adamw.param_groups[0]["lr"] = group["lr"] * group["adamw_lr_ratio"]
+            self.adamw.step()
+
+
+class TorchMuon(Muon):
+    """The reference for `parallelkit.Muon` in one process: `TorchOptimizers` on the same split of the parameters
+    (`parallelkit.muon.hidden_matrices`)."""
+
+    _torch: TorchOptimizers | None = None
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -822,66 +852,36 @@ class TorchMuon(Muon):
                 loss = closure()
         (group,) = self.param_groups
         if self._torch is None:
-            matrices, rest, self._slices = [], [], []
-            for param in group["params"]:
-                if id(param) not in self._muon:
-                    rest.append(param)
-                elif param.dim() == 3:
-                    for expert in range(param.shape[0]):
-                        view = param.detach()[expert]
-                        self._slices.append((view, param, expert))
-                        matrices.append(view)
-                else:
-                    matrices.append(param)
-            settings = ("weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
-            muon = torch.optim.Muon(matrices, lr=group["lr"], **{key: group[key] for key in settings})
-            adamw = torch.optim.AdamW(
-                rest, lr=group["lr"], betas=group["adamw_betas"], eps=group["adamw_eps"],
-                weight_decay=group["adamw_weight_decay"],
-            )  # fmt: skip
-            self._torch = (muon, adamw)
-        muon, adamw = self._torch
-        for view, param, expert in self._slices:
-            view.grad = None if param.grad is None else param.grad[expert]
-        muon.param_groups[0]["lr"] = group["lr"]
-        adamw.param_groups[0]["lr"] = group["lr"] * group["adamw_lr_ratio"]
-        muon.step()
-        adamw.step()
+            matrices = [param for param in group["params"] if id(param) in self._muon]
+            rest = [param for param in group["params"] if id(param) not in self._muon]
+            self._torch = TorchOptimizers(matrices, rest, group)
+        self._torch.step(group)
         return loss
 
 
-class InjectedGradients(L.Callback):
-    """Before the optimizer steps `steps`, every parameter's gradient is replaced by the same values in every layout
-    (drawn from the parameter's name and the step; each rank writes its shard of them); at the start of each step in
-    `save_at`, each rank writes `out_dir/step<s>_rank<r>.pt`: the whole value of every parameter it holds. So the
-    optimizer's updates can be compared across layouts bit for bit, free of the gradients' reduction order."""
+class RecordedSteps(L.Callback):
+    """Just before the optimizer takes each of `steps`, each rank writes `out_dir/step<s>_rank<r>.pt`: the whole
+    value and gradient of every parameter it holds that has a gradient (`params`, `grads`), the names of Muon's
+    (`matrices`) and the optimizer's settings (`group`). So a test can run torch's own optimizers on exactly the
+    gradients a layout reduced and compare the parameters they give with the layout's, bit for bit."""
 
-    def __init__(self, out_dir: str, steps: list[int], save_at: list[int]) -> None:
-        self.out_dir, self.steps, self.save_at = out_dir, steps, save_at
+    def __init__(self, out_dir: str, steps: list[int]) -> None:
+        self.out_dir, self.steps = out_dir, steps
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
-        import zlib
-
-        from parallelkit.compat import local_box
-
         if trainer.global_step not in self.steps:
             return
-        for name, param in pl_module.named_parameters():
-            if param.grad is None:
-                continue
-            seed = zlib.crc32(name.encode()) * 100 + trainer.global_step
-            whole = torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 1e-2
-            local, offsets = local_box(param.grad)
-            box = tuple(slice(start, start + size) for start, size in zip(offsets, local.shape))
-            local.copy_(whole[box])
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        step = trainer.global_step
-        if step not in self.save_at:
-            return
-        held = {
-            name: (param.full_tensor() if isinstance(param, DTensor) else param).detach().clone()
-            for name, param in pl_module.named_parameters()
+        def whole(tensor: torch.Tensor) -> torch.Tensor:
+            return (tensor.full_tensor() if isinstance(tensor, DTensor) else tensor).detach().clone()
+
+        trained = [(name, param) for name, param in pl_module.named_parameters() if param.grad is not None]
+        (group,) = optimizer.param_groups
+        record = {
+            "params": {name: whole(param) for name, param in trained},
+            "grads": {name: whole(param.grad) for name, param in trained},
+            "matrices": optimizer.muon_parameters(),
+            "group": {key: value for key, value in group.items() if key != "params"},
         }
         os.makedirs(self.out_dir, exist_ok=True)
-        torch.save(held, os.path.join(self.out_dir, f"step{step}_rank{trainer.global_rank}.pt"))
+        torch.save(record, os.path.join(self.out_dir, f"step{trainer.global_step}_rank{trainer.global_rank}.pt"))
