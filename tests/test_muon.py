@@ -51,11 +51,13 @@ OVERRIDES = {  # config: (one process's, the layout's)
 sqrt(max(rows, columns))) instead of torch's default."""
 
 
-def run(tmp_path_factory, corpus, config: str, *overrides: str, recorded=(0, 1, 2)):
+def run(tmp_path_factory, corpus, config: str, *overrides: str, recorded=(0, 1, 2), resumed: bool = False):
+    """A run's log; `resumed`: the run a test resumes, which saves a checkpoint at RESUME_AT."""
     log = tmp_path_factory.mktemp(config.removesuffix(".yaml"))
     steps = common(corpus, log / "cache", steps=STEPS)
     record = callback("models.RecordedSteps", out_dir="steps", steps=list(recorded))
-    assert_ok(fit(config, log, *steps, record, checkpoint_every(log / "ckpt", RESUME_AT), *overrides))
+    checkpoint = (checkpoint_every(log / "ckpt", RESUME_AT),) if resumed else ()
+    assert_ok(fit(config, log, *steps, record, *checkpoint, *overrides))
     return log
 
 
@@ -115,9 +117,11 @@ def layouts(tmp_path_factory, corpus):
     def get(config: str, layout: str):
         if (config, layout) not in made:
             overrides = (*LAYOUTS[layout], *OVERRIDES.get(config, ((), ()))[1])
-            # the run the resume continues records every step to the resume's last
-            steps = range(RESUME_AT + 3) if (config, layout) == ("hybrid.yaml", "fsdp_tp") else (0, 1, 2)
-            made[config, layout] = run(tmp_path_factory, corpus, config, *OURS, *overrides, recorded=steps)
+            resumed = (config, layout) == ("hybrid.yaml", "fsdp_tp")  # it records every step to the resume's last
+            steps = range(RESUME_AT + 3) if resumed else (0, 1, 2)
+            made[config, layout] = run(
+                tmp_path_factory, corpus, config, *OURS, *overrides, recorded=steps, resumed=resumed
+            )
         return made[config, layout]
 
     return get
