@@ -78,7 +78,8 @@ def lead(request: dict) -> None:
                 _launch_ranks_through(*mine)
             run_rank(request, env, cwd, outputs)  # never returns
         ranks[pid] = rank
-        (job / "ranks").write_text(json.dumps(sorted(ranks, key=ranks.get)))
+        (job / "ranks.new").write_text(json.dumps(sorted(ranks, key=ranks.get)))
+        os.replace(job / "ranks.new", job / "ranks")  # whole: the test reading it never sees it half written
         return pid
 
     if nprocs := request["nprocs"]:
