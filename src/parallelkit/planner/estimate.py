@@ -189,8 +189,24 @@ def _replicate(share: _Share) -> None:
         share.comm["replicate"] = share.trained / share.shards * 4
 
 
-AXIS_TERMS: tuple[Callable[[_Share], None], ...] = (_pp, _tp, _ep, _cp, _fsdp, _replicate)
-"""Every axis's function, in the order `estimate` applies them: each reads what those before it left."""
+def _muon(share: _Share) -> None:
+    """With `--optimizer muon`, each matrix's update goes to its owner among the stage's ranks and its orthogonalised
+    shards come back (`parallelkit.muon`): per rank about its shard of every matrix sent in fp32 and received in bf16,
+    and as much again for the matrices it owns; counted on the stage's outermost axis."""
+    ranks = [axis for axis, size in zip(share.spec.names, share.spec.sizes) if axis != "pp" and size > 1]
+    if share.work.optimizer == "muon" and ranks:
+        traffic = 2 * 6 * share.trained * _matrix_share(share.layers) / share.shards
+        share.comm[ranks[0]] = share.comm.get(ranks[0], 0.0) + traffic
+
+
+def _matrix_share(layers: list[Layer]) -> float:
+    """The fraction of the layers' trained parameters that are Muon's matrices."""
+    return sum(layer.matrices for layer in layers) / max(sum(layer.trainable for layer in layers), 1)
+
+
+AXIS_TERMS: tuple[Callable[[_Share], None], ...] = (_pp, _tp, _ep, _cp, _fsdp, _replicate, _muon)
+"""Every axis's function (and the optimizer's exchange, on the axes they leave), in the order `estimate` applies
+them: each reads what those before it left."""
 
 LISTED = ("fsdp", "ep", "replicate", "tp", "pp", "cp")
 """The order an estimate lists (and adds up) the axes' traffic in; an axis not named here comes after them."""
@@ -232,13 +248,6 @@ def _estimate(share: _Share, hw: Hardware) -> Estimate:
     """The rank's memory, traffic and step time, from its share as the axes left it (`step_s`: this rank's)."""
     prof, spec, work, layers = share.prof, share.spec, share.work, share.layers
     param_bytes = sum(_in_bytes(layers, share.params, 4)) / share.shards
-    matrix_share = sum(layer.matrices for layer in layers) / max(sum(layer.trainable for layer in layers), 1)
-    ranks = [axis for axis, size in zip(spec.names, spec.sizes) if axis != "pp" and size > 1]
-    if work.optimizer == "muon" and ranks:
-        # Each matrix's update goes to its owner among the stage's ranks and its orthogonalised shards come back
-        # (`parallelkit.muon`): per rank about its shard of every matrix sent in fp32 and received in bf16, and as
-        # much again for the matrices it owns; counted on the stage's outermost axis.
-        share.comm[ranks[0]] = share.comm.get(ranks[0], 0.0) + 2 * 6 * share.trained * matrix_share / share.shards
     comm = {axis: share.comm[axis] for axis in sorted(share.comm, key=_listed)}
     tokens = work.micro_batch * work.seq_len * work.accumulate
     part = sum(layer.params for layer in layers) / max(prof.params, 1)
@@ -251,7 +260,7 @@ def _estimate(share: _Share, hw: Hardware) -> Estimate:
     grads = share.trained / share.shards * 4
     states = OPTIMIZER_STATES[work.optimizer]
     if work.optimizer == "muon":  # one momentum buffer per matrix element, AdamW's two for the rest
-        states -= matrix_share
+        states -= _matrix_share(layers)
     return Estimate(
         str(spec),
         share.schedule,
