@@ -122,6 +122,18 @@ restart at 0 where a packed example begins (a token attends only to earlier toke
 micro-batch), by which the step's loss is divided: a token mean over the global batch, whatever the layout."""
 
 
+PREFERENCE_BATCH = ("input_ids", "labels", "position_ids", "pair_index", "chosen_targets")
+"""The keys of a preference batch (`parallelkit.data.PreferenceDataModule` yields it): B pairs as 2B rows, the chosen
+sequences first, then the rejected ones in the same order. `input_ids`, `labels` (the next token where it is a
+completion token, else `IGNORE_INDEX`) and `position_ids` are (2B, S); `pair_index` (B,) the pairs' indices in their
+split; `chosen_targets` the chosen completion tokens of the global micro-batch (every data-parallel rank's pairs)."""
+
+
+def is_preference_batch(batch: Any) -> bool:
+    """Whether `batch` is a preference batch (`PREFERENCE_BATCH`)."""
+    return isinstance(batch, Mapping) and "pair_index" in batch
+
+
 def packed_examples(positions: torch.Tensor) -> torch.Tensor:
     """Each token's example within its packed row, (batch, seq): a new one wherever a position does not follow the
     one before it (as transformers reads packed `position_ids`). A token attends only to earlier tokens of its own."""

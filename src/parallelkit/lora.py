@@ -149,8 +149,12 @@ class LoRALinear(nn.Linear):
         nn.init.uniform_(self.lora_A, -bound, bound, generator=generator)
         nn.init.zeros_(self.lora_B)
 
+    lora_disabled = False  # `adapters_disabled`: the base layer alone (DPO's reference, as PEFT's disable_adapter)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = F.linear(x, self.weight, self.bias)
+        if self.lora_disabled:
+            return out
         if self.lora_dropout:
             x = F.dropout(x, self.lora_dropout, self.training)
         return out + F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling

@@ -37,6 +37,8 @@ from parallelkit.models.hf_io import SafetensorsWeights, load_weights
 from parallelkit.models.hf_plan import HFPlanMixin
 from parallelkit.models.hf_stages import HFStagesMixin
 from parallelkit.models.lm import CausalLM
+from parallelkit.models.preference import Preference, as_preference
+from parallelkit.models.preference import config_dict as preference_dict
 
 
 class HFCausalLM(HFPlanMixin, HFStagesMixin, CausalLM):
@@ -62,6 +64,11 @@ class HFCausalLM(HFPlanMixin, HFStagesMixin, CausalLM):
             [q_proj, k_proj, v_proj, o_proj]}`) on the targeted linear layers, every other parameter frozen: the base
             weights (from `pretrained`, or the seed) never change, and checkpoints hold the adapters. None: full
             fine-tuning.
+        preference: Preference tuning (`parallelkit.models.preference.Preference`, TRL's names: loss_type, beta,
+            label_smoothing, rpo_alpha, simpo_gamma, reference), trained on `parallelkit.data.PreferenceDataModule`
+            pairs: DPO's sigmoid loss by default (`{beta: 0.1}`), IPO, robust DPO, or SimPO. The reference is the
+            model with its adapters off under `lora`, else a frozen copy the strategy shards as the model. None:
+            language modelling (SFT, pretraining).
     """
 
     def __init__(
@@ -75,9 +82,12 @@ class HFCausalLM(HFPlanMixin, HFStagesMixin, CausalLM):
         warmup_steps: int = 10,
         min_lr_ratio: float = 0.1,
         lora: LoRA | None = None,
+        preference: Preference | None = None,
     ) -> None:
         super().__init__()
         lora = config_dict(as_lora(lora))  # plain values in the hyperparameters (and checkpoints)
+        self.preference = as_preference(preference)
+        preference = preference_dict(self.preference)
         self.save_hyperparameters()
         transformers = _transformers()
         if config is None and pretrained is None:

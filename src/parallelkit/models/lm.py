@@ -13,8 +13,9 @@ from torch.distributed.tensor import DTensor
 from torchmetrics import MeanMetric, Metric
 from typing_extensions import override
 
-from parallelkit.contract import IGNORE_INDEX, token_share
+from parallelkit.contract import IGNORE_INDEX, is_preference_batch, token_share
 from parallelkit.mesh import reduction_size, token_group
+from parallelkit.models.preference import PreferenceSteps
 
 Batch = tuple[torch.Tensor, torch.Tensor] | Mapping[str, torch.Tensor]
 """`(inputs, targets)`: token ids, and the next token of each (what the pretraining datamodules yield); or a token
@@ -37,7 +38,7 @@ class Float32Mean(MeanMetric):
         return metric
 
 
-class CausalLM(L.LightningModule):
+class CausalLM(PreferenceSteps, L.LightningModule):
     """Base of the language models: steps on `(inputs, targets)` batches, metrics over the data-parallel group.
 
     Subclasses call `save_hyperparameters()` with `lr`, `weight_decay`, `betas`, `warmup_steps` and
@@ -69,6 +70,8 @@ class CausalLM(L.LightningModule):
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
+        if is_preference_batch(batch):
+            return self.preference_training_step(batch, batch_idx)
         if isinstance(batch, Mapping):
             return self.token_training_step(batch, batch_idx)
         x, y = batch
@@ -109,6 +112,9 @@ class CausalLM(L.LightningModule):
 
     @override
     def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        if is_preference_batch(batch):
+            self.preference_validation_step(batch, batch_idx)
+            return
         if isinstance(batch, Mapping):  # weighted by its targets: the epoch's value is the token mean
             labels = batch["labels"]
             loss = self.pipeline_loss(self(batch["input_ids"], batch["position_ids"]), labels)
@@ -120,6 +126,8 @@ class CausalLM(L.LightningModule):
 
     @override
     def on_validation_epoch_end(self) -> None:
+        if self.log_preference_validation():
+            return
         if not self.val_loss.update_called:
             return  # a pipeline strategy ran validation and logged val_loss itself
         loss = self.val_loss.compute()

@@ -1,0 +1,388 @@
+"""Preference tuning (DPO, IPO, robust DPO, SimPO) as the steps of a language model, equal to TRL's.
+
+A preference batch (`parallelkit.data.preference.PREFERENCE_BATCH`) holds B pairs as 2B rows, chosen first. Each row's
+log-probability is the sum, over its completion tokens, of the policy's log-softmax at the target token: under loss
+parallelism the vocabulary-sharded logits give it without gathering them, and under context parallelism each cp rank
+sums its slice of the sequence and the sums are added across the cp ranks (an all-reduce that autograd goes back
+through). The reference's come from the model with its adapters off (LoRA, QLoRA: PEFT's and TRL's way, no second
+copy) or from a frozen copy of the policy that the strategy parallelises exactly as the policy (`FROZEN_REFERENCE`).
+
+The loss of a micro-batch is the mean over its pairs, as TRL's `DPOTrainer` computes it; every data-parallel rank holds
+as many pairs, so the gradient reduction's mean is the global batch's. What TRL logs is logged under its names, as the
+global batch's values, averaged over an optimizer step's micro-batches as TRL averages them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from parallelkit.contract import IGNORE_INDEX
+from parallelkit.errors import ConfigError
+
+LOSS_TYPES = ("sigmoid", "ipo", "robust", "simpo")
+"""DPO's sigmoid loss, IPO, robust DPO (label smoothing), and the reference-free SimPO."""
+
+REFERENCES = ("auto", "copy", "adapters", "none")
+"""Where the reference log-probs come from: a frozen copy, the model with its adapters off, or none (SimPO). `auto`:
+adapters off when the model has adapters, else a copy; none for SimPO."""
+
+FROZEN_REFERENCE = "frozen_reference"
+"""The hook a strategy reads (`model.frozen_reference()`): an `nn.Module` whose module names are the model's, which
+the strategy parallelises as the model and fills with the model's values, never trained (None: no copy wanted)."""
+
+METRICS = (
+    "loss",
+    "rewards/chosen",
+    "rewards/rejected",
+    "rewards/accuracies",
+    "rewards/margins",
+    "logps/chosen",
+    "logps/rejected",
+    "logits/chosen",
+    "logits/rejected",
+)
+"""What a step logs, with TRL's names (`loss` as `train_loss`); validation prefixes them with `val_`."""
+
+PAIR_SUMS = 7  # the first seven of METRICS are sums over pairs; the two logits are sums over completion tokens
+
+
+@dataclass
+class Preference:
+    """Preference tuning's options, named as TRL's `DPOConfig` (and `CPOConfig` for SimPO) names them.
+
+    Args:
+        loss_type: `sigmoid` (DPO), `ipo` (IPO, on log-ratios averaged over completion tokens, as TRL), `robust`
+            (robust DPO: `label_smoothing` the assumed rate of flipped labels) or `simpo` (SimPO: no reference,
+            log-probs averaged over completion tokens, margin `simpo_gamma`).
+        beta: the temperature of the implicit reward (TRL's `beta`).
+        label_smoothing: `robust`'s and `simpo`'s label noise, in [0, 0.5).
+        rpo_alpha: weight of the NLL of the chosen completions added to the loss (RPO; TRL: `loss_type=["sigmoid",
+            "sft"]`, `loss_weights=[1, rpo_alpha]`; CPO's `cpo_alpha` for SimPO). None: no NLL term.
+        simpo_gamma: SimPO's target reward margin (TRL's `simpo_gamma`).
+        reference: `auto`, `copy`, `adapters` or `none` (`REFERENCES`).
+    """
+
+    loss_type: str = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    rpo_alpha: float | None = None
+    simpo_gamma: float = 0.5
+    reference: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.loss_type not in LOSS_TYPES:
+            raise ConfigError(
+                f"model.preference.loss_type is {self.loss_type!r}; it must be one of {', '.join(LOSS_TYPES)}."
+            )
+        if self.reference not in REFERENCES:
+            raise ConfigError(
+                f"model.preference.reference is {self.reference!r}; it must be one of {', '.join(REFERENCES)}."
+            )
+        if self.beta <= 0:
+            raise ConfigError(f"model.preference.beta is {self.beta}; it must be > 0 (TRL's default: 0.1).")
+        if not 0.0 <= self.label_smoothing < 0.5:
+            raise ConfigError(f"model.preference.label_smoothing is {self.label_smoothing}; it must be in [0, 0.5).")
+        if self.label_smoothing and self.loss_type not in ("robust", "simpo"):
+            raise ConfigError(
+                f"model.preference.label_smoothing={self.label_smoothing} with loss_type {self.loss_type!r}, which "
+                "does not read it (as in TRL). Fix: loss_type: robust."
+            )
+        if self.loss_type == "simpo" and self.reference not in ("auto", "none"):
+            raise ConfigError(
+                f"model.preference.reference={self.reference!r} with loss_type simpo, which uses no reference. Fix: "
+                "leave reference out."
+            )
+        if self.loss_type != "simpo" and self.reference == "none":
+            raise ConfigError(
+                f"model.preference.reference=none with loss_type {self.loss_type!r}, which compares with a reference. "
+                "Fix: reference: copy (or adapters with LoRA), or loss_type: simpo."
+            )
+
+    def source(self, has_adapters: bool) -> str:
+        """The reference's source for a model with or without adapters: `copy`, `adapters` or `none`."""
+        if self.loss_type == "simpo":
+            return "none"
+        if self.reference == "auto":
+            return "adapters" if has_adapters else "copy"
+        if self.reference == "adapters" and not has_adapters:
+            raise ConfigError(
+                "model.preference.reference=adapters, but the model has no adapters to switch off. Fix: model.lora "
+                "(LoRA's reference is its base), or reference: copy."
+            )
+        return self.reference
+
+
+def as_preference(value: Preference | Mapping[str, Any] | None) -> Preference | None:
+    """`value` as `Preference` (a mapping as LightningCLI passes it), or None."""
+    if value is None or isinstance(value, Preference):
+        return value
+    if not isinstance(value, Mapping):
+        raise ConfigError(f"model.preference is {value!r}; give a mapping of Preference's options, e.g. {{beta: 0.1}}.")
+    return Preference(**value)
+
+
+def config_dict(preference: Preference | None) -> dict[str, Any] | None:
+    """Plain values for the hyperparameters (and so checkpoints)."""
+    return None if preference is None else asdict(preference)
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """While it lasts, every adapted layer of `model` computes as its base alone (PEFT's `disable_adapter()`, TRL's
+    reference for a PEFT model): linear layers skip their adapters, and experts add their adapters' update scaled by 0,
+    so their weights are the base's exactly (NF4 ones dequantized as always)."""
+    layers = [module for module in model.modules() if hasattr(module, "lora_disabled")]
+    experts = [a for module in model.modules() for a in (getattr(module, "expert_adapters", None) or {}).values()]
+    scalings = [adapter.scaling for adapter in experts]
+    for layer in layers:
+        layer.lora_disabled = True
+    for adapter in experts:
+        adapter.scaling = 0.0
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.lora_disabled = False
+        for adapter, scaling in zip(experts, scalings):
+            adapter.scaling = scaling
+
+
+class SequenceScores:
+    """Per row of a preference batch: the completion's summed log-prob, its token count, and the sum over its tokens of
+    the logits' mean over the vocabulary (TRL's `mean_logits`), each whole across the cp ranks."""
+
+    def __init__(self, logits: torch.Tensor, labels: torch.Tensor, cp_group: Any, with_logits: bool = True) -> None:
+        targets = labels.ne(IGNORE_INDEX)
+        # In fp32 whatever the compute dtype; under loss parallelism the vocabulary-sharded logits need no gather.
+        per_token = -F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
+        per_token = _local(per_token).view(labels.shape)
+        sums = [per_token.sum(-1)]
+        counts = targets.sum(-1).to(per_token.dtype)
+        if with_logits:
+            with torch.no_grad():
+                means = _local(logits.detach().float().mean(-1))
+                sums.append(torch.where(targets, means, 0.0).sum(-1))
+        if cp_group is not None:  # each cp rank holds a slice of every sequence: the rows' sums are added up
+            sums = [dist.nn.functional.all_reduce(sums[0], group=cp_group)] + [_summed(s, cp_group) for s in sums[1:]]
+            counts = _summed(counts, cp_group)
+        self.logps, self.counts = sums[0], counts
+        self.logit_sums = sums[1] if with_logits else None
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor as the whole tensor every rank holds (loss parallelism's per-token values are replicated; a mean
+    over the sharded vocabulary is a pending sum)."""
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
+def _summed(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+    tensor = tensor.clone()
+    dist.all_reduce(tensor, group=group)
+    return tensor
+
+
+def preference_loss(
+    options: Preference, policy: SequenceScores, reference: SequenceScores | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`(per-pair loss, chosen rewards, rejected rewards)` of a batch's B pairs (rows 0..B-1 chosen, B..2B-1 rejected),
+    as TRL computes them (DPOTrainer for sigmoid, ipo, robust; CPOTrainer for simpo)."""
+    chosen, rejected = policy.logps.chunk(2)
+    counts_c, counts_r = policy.counts.clamp(min=1).chunk(2)
+    beta = options.beta
+    if options.loss_type == "simpo":  # length-normalised log-probs, no reference
+        chosen, rejected = chosen / counts_c, rejected / counts_r
+        logits = beta * (chosen - rejected) - options.simpo_gamma
+        smoothing = options.label_smoothing
+        losses = -F.logsigmoid(logits) * (1 - smoothing) - F.logsigmoid(-logits) * smoothing
+        return losses, beta * chosen.detach(), beta * rejected.detach()
+    ref_chosen, ref_rejected = reference.logps.chunk(2)
+    chosen_ratio, rejected_ratio = chosen - ref_chosen, rejected - ref_rejected
+    delta = chosen_ratio - rejected_ratio
+    if options.loss_type == "sigmoid":
+        losses = -F.logsigmoid(beta * delta)
+    elif options.loss_type == "ipo":  # TRL normalises IPO's log-ratios by the completions' lengths
+        losses = (chosen_ratio / counts_c - rejected_ratio / counts_r - 1 / (2 * beta)) ** 2
+    else:  # robust
+        eps = options.label_smoothing
+        losses = (-(1 - eps) * F.logsigmoid(beta * delta) + eps * F.logsigmoid(-beta * delta)) / (1 - 2 * eps)
+    return losses, beta * chosen_ratio.detach(), beta * rejected_ratio.detach()
+
+
+def metric_sums(
+    loss: torch.Tensor, policy: SequenceScores, rewards: tuple[torch.Tensor, torch.Tensor], pairs: int
+) -> torch.Tensor:
+    """This rank's sums behind `METRICS`: seven over its pairs (the loss weighted by its pairs), then the chosen and
+    rejected completions' logit sums and token counts."""
+    chosen, rejected = rewards
+    logps_c, logps_r = policy.logps.detach().chunk(2)
+    logits_c, logits_r = policy.logit_sums.chunk(2)
+    counts_c, counts_r = policy.counts.chunk(2)
+    return torch.stack(
+        [
+            loss.detach() * pairs,
+            chosen.sum(),
+            rejected.sum(),
+            (chosen > rejected).float().sum(),
+            (chosen - rejected).sum(),
+            logps_c.sum(),
+            logps_r.sum(),
+            logits_c.sum(),
+            logits_r.sum(),
+            counts_c.sum(),
+            counts_r.sum(),
+        ]
+    )
+
+
+def metric_values(sums: torch.Tensor, pairs: int) -> dict[str, torch.Tensor]:
+    """`METRICS` from the global batch's sums (`metric_sums`, added over the ranks) and its pair count."""
+    values = dict(zip(METRICS[:PAIR_SUMS], sums[:PAIR_SUMS] / pairs))
+    values["logits/chosen"] = sums[7] / sums[9].clamp(min=1)
+    values["logits/rejected"] = sums[8] / sums[10].clamp(min=1)
+    return values
+
+
+class PreferenceSteps:
+    """The training and validation steps of a language model on preference batches (the module's docstring). Mixed
+    into `CausalLM`; a model with `preference` set (an `HFCausalLM` argument) trains on `PreferenceDataModule`."""
+
+    preference: Preference | None = None
+
+    def frozen_reference(self) -> nn.Module | None:
+        """The reference a strategy parallelises beside the model (`FROZEN_REFERENCE`): a copy of the network for
+        `reference: copy`, else None. A model whose network is a child (`self.model`) gives that child's copy."""
+        if self.preference is None or self.preference.source(self._has_adapters()) != "copy":
+            return None
+        if getattr(self, "_reference", None) is None:
+            self._reference = [FrozenCopy(self)]  # in a list: not a submodule (no state dict, no optimizer)
+        return self._reference[0]
+
+    def _has_adapters(self) -> bool:
+        return any(hasattr(module, "lora_disabled") or getattr(module, "expert_adapters", None) for module in
+                   self.modules())
+
+    def _check_preference_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
+        if self.preference is None:
+            raise ConfigError(
+                f"{type(self).__name__} got a preference batch (chosen and rejected rows) but has no model.preference. "
+                "Fix: set model.init_args.preference (e.g. {beta: 0.1}), as configs/dpo.yaml does."
+            )
+
+    def _cp_group(self) -> Any:
+        spec = getattr(self.trainer.strategy, "mesh_spec", None)
+        return self.trainer.strategy.device_mesh["cp"].get_group() if spec is not None and spec.cp_size > 1 else None
+
+    def _data_parallel(self) -> tuple[int, Any]:
+        """The number of ranks holding different pairs, and the group over which a batch's sums are added (the
+        data-parallel ranks, with the cp ranks: those hold parts of the same rows)."""
+        from parallelkit.mesh import reduction_size
+
+        spec = getattr(self.trainer.strategy, "mesh_spec", None)
+        cp = spec.cp_size if spec is not None else 1
+        return reduction_size(self.trainer.strategy) // cp, self.dp_group
+
+    def preference_scores(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """`(per-pair loss, metric sums of this rank, the policy's scores)` of a preference batch."""
+        self._check_preference_batch(batch)
+        ids, positions, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
+        cp_group = self._cp_group()
+        policy = SequenceScores(self(ids, positions), labels, cp_group)
+        aux = self.auxiliary_loss()  # the policy's (a mixture of experts' load balancing), before the reference runs
+        reference = None
+        source = self.preference.source(self._has_adapters())
+        if source != "none":
+            with torch.no_grad():
+                if source == "adapters":
+                    with adapters_disabled(self):
+                        logits = self(ids, positions)
+                    self.auxiliary_loss()  # the reference's, dropped
+                else:
+                    logits = self.frozen_reference()(ids, positions)
+                reference = SequenceScores(logits, labels, cp_group, with_logits=False)
+        losses, chosen, rejected = preference_loss(self.preference, policy, reference)
+        pairs = losses.shape[0]
+        loss = losses.mean()
+        if self.preference.rpo_alpha:
+            replicas, _ = self._data_parallel()
+            # TRL's NLL term: a token mean over the global micro-batch's chosen completions, whatever the layout.
+            nll = -policy.logps.chunk(2)[0].sum() * replicas / batch["chosen_targets"].clamp(min=1)
+            loss = loss + self.preference.rpo_alpha * nll
+        loss = loss + aux
+        sums = metric_sums(loss, policy, (chosen, rejected), pairs)
+        cp = 1 if cp_group is None else dist.get_world_size(cp_group)
+        sums[:PAIR_SUMS] /= cp  # every cp rank holds the same pairs' values; the token sums are its own slice's
+        return loss, sums, pairs
+
+    def preference_training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss, sums, pairs = self.preference_scores(batch)
+        replicas, group = self._data_parallel()
+        values = metric_values(_global(sums, group), pairs * replicas)
+        accumulate = self.trainer.accumulate_grad_batches
+        if batch_idx % accumulate == 0:
+            self._step_metrics = {name: torch.zeros_like(value) for name, value in values.items()}
+        for name, value in values.items():  # TRL averages an optimizer step's micro-batches
+            self._step_metrics[name] = self._step_metrics[name] + value / accumulate
+        for name, value in self._step_metrics.items():
+            key = "train_loss" if name == "loss" else name
+            shown = name in ("loss", "rewards/accuracies", "rewards/margins")
+            self.log(key, value, on_step=True, on_epoch=False, prog_bar=shown, rank_zero_only=True)
+        return loss
+
+    def preference_validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> None:
+        loss, sums, pairs = self.preference_scores(batch)
+        replicas, group = self._data_parallel()
+        values = torch.stack(list(metric_values(_global(sums, group), pairs * replicas).values()))
+        if batch_idx == 0 or getattr(self, "_val_metrics", None) is None:
+            self._val_metrics = [torch.zeros_like(values), 0]
+        self._val_metrics[0] = self._val_metrics[0] + values
+        self._val_metrics[1] += 1
+
+    def log_preference_validation(self) -> bool:
+        """Log `val_<metric>`: the mean over the validation's batches (as TRL's evaluation); False if none ran."""
+        totals = getattr(self, "_val_metrics", None)
+        if totals is None:
+            return False
+        self._val_metrics = None
+        for name, value in zip(METRICS, totals[0] / totals[1]):
+            self.log(f"val_{name}", value, prog_bar=name in ("loss", "rewards/accuracies"), rank_zero_only=True)
+        return True
+
+
+def _global(sums: torch.Tensor, group: Any) -> torch.Tensor:
+    """`sums` added over `group` (every data-parallel rank's, and cp's slices), detached."""
+    if not dist.is_available() or not dist.is_initialized():
+        return sums.detach()
+    return _summed(sums.detach(), group)
+
+
+class FrozenCopy(nn.Module):
+    """The reference network: a copy of a model's network (its `self.model`, a transformers causal LM) under the
+    model's own module names, never trained. The strategy parallelises it like the model and gives it the model's
+    values; without a parallelkit strategy it is the model's network as it starts training."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        import copy
+
+        network = getattr(model, "model", None)
+        if not isinstance(network, nn.Module):
+            raise ConfigError(
+                f"{type(model).__name__}: reference: copy copies the network the model holds as `self.model`, and it "
+                "holds none. Fix: train with LoRA (reference: adapters), or hold the network as self.model."
+            )
+        self.model = copy.deepcopy(network)
+        self.model.requires_grad_(False)
+        self.eval()
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        output = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
+        return getattr(output, "logits", output)
