@@ -9,4 +9,9 @@ from parallelkit.data.tokenized import TokenizedDataModule
 
 __all__ = [
     "GlobalBatchSampler",
-    "PreferenceDataModule", "SFTDataModule", "SyntheticDataModule", "TextDataModule", "TokenizedDataModule"]
+    "PreferenceDataModule",
+    "SFTDataModule",
+    "SyntheticDataModule",
+    "TextDataModule",
+    "TokenizedDataModule",
+]

@@ -343,3 +343,38 @@ def builtin_conversations(count: int = 4000, seed: int = 0) -> Iterator[tuple[st
             question, answer = exchange()
             messages += [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
         yield f"the built-in conversations, record {index}", {"messages": messages}
+
+
+def builtin_pairs(count: int = 2000, seed: int = 0) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Small preference pairs generated from `seed` (present on every machine): a question, the right answer chosen,
+    a wrong one rejected (a sum off by a few, a word misspelt), some with a system turn. Learnable: a model that
+    trains on them prefers the right answers more and more."""
+    rng = random.Random(seed)
+    words = ("apple", "river", "planet", "garden", "silver", "window", "orange", "castle", "forest", "rocket")
+    for index in range(count):
+        kind = rng.randrange(3)
+        if kind == 0:
+            a, b = rng.randrange(100), rng.randrange(100)
+            off = a + b + rng.choice((-3, -1, 1, 2, 10))
+            question, right, wrong = f"What is {a} + {b}?", f"{a} + {b} = {a + b}.", f"{a} + {b} = {off}."
+        elif kind == 1:
+            word = rng.choice(words)
+            scrambled = list(word[::-1])
+            i = rng.randrange(len(scrambled) - 1)
+            scrambled[i], scrambled[i + 1] = scrambled[i + 1], scrambled[i]
+            question, right, wrong = f"Reverse the word '{word}'.", word[::-1], "".join(scrambled)
+            if wrong == right:
+                wrong = right + right[-1]
+        else:
+            word = rng.choice(words)
+            question, right, wrong = f"Spell '{word}' in capitals.", word.upper(), word.capitalize()
+        prompt = [{"role": "system", "content": "You answer briefly."}] if rng.random() < 0.3 else []
+        prompt.append({"role": "user", "content": question})
+        yield (
+            f"the built-in preference pairs, record {index}",
+            {
+                "prompt": prompt,
+                "chosen": [{"role": "assistant", "content": right}],
+                "rejected": [{"role": "assistant", "content": wrong}],
+            },
+        )

@@ -8,11 +8,9 @@ the prompt). A conversation is rendered by the model's chat template (or `chat_t
 its completions ending with the tokenizer's EOS. As TRL does: the prompt is tokenized alone (a conversation with the
 generation prompt), prompt + completion whole, and the completion is every token after the prompt's.
 
-A batch (`parallelkit.contract.PREFERENCE_BATCH`) holds its pairs' chosen sequences first, then their rejected ones in the same order:
-`input_ids`, `labels` (the next token where it is a completion token, else -100), `position_ids`, `pair_index` (each
-pair's index in the split) and `chosen_targets`, the chosen completion tokens of the global micro-batch (every
-data-parallel rank's pairs), which the optional NLL term divides by. A pair's chosen and rejected sequences are always
-in the same batch, on the same rank.
+A batch (`parallelkit.contract.PREFERENCE_BATCH`) holds its pairs' chosen sequences first, then their rejected ones
+in the same order, with the chosen completion tokens of the global micro-batch, which the optional NLL term divides
+by. A pair's chosen and rejected sequences are always in the same batch, on the same rank.
 """
 
 from __future__ import annotations
@@ -28,7 +26,15 @@ from torch.utils.data import DataLoader, Dataset
 from typing_extensions import override
 
 from parallelkit.contract import IGNORE_INDEX
-from parallelkit.data.chat import ROLES, TABULAR, builtin_tokenizer, is_dataset_directory, load_tokenizer, read_records
+from parallelkit.data.chat import (
+    ROLES,
+    TABULAR,
+    builtin_pairs,
+    builtin_tokenizer,
+    is_dataset_directory,
+    load_tokenizer,
+    read_records,
+)
 from parallelkit.data.packing import StepTargetSampler
 from parallelkit.data.stream import PositionedLoader, TokenStreamDataModule, cache_root, find_files
 from parallelkit.errors import DataError
@@ -282,8 +288,10 @@ class PreferenceDataModule(TokenStreamDataModule):
             else:
                 found.extend(find_files([entry], self.pattern))
         if self.paths is not None and not found:
-            raise DataError(f"data.paths {self.paths} hold no .jsonl, .parquet or .arrow file and no save_to_disk "
-                            "dataset. Fix: point data.paths at preference records.")
+            raise DataError(
+                f"data.paths {self.paths} hold no .jsonl, .parquet or .arrow file and no save_to_disk "
+                "dataset. Fix: point data.paths at preference records."
+            )
         return list(dict.fromkeys(found))
 
     def records(self) -> Iterator[tuple[str, Any]]:
@@ -395,46 +403,21 @@ class PreferenceDataModule(TokenStreamDataModule):
         base = super()._sampler(dataset, split, shuffle)  # checks there is a global batch
         # Counted per global micro-batch (accumulate 1): TRL's NLL term is a token mean per micro-batch.
         return StepTargetSampler(
-            dataset.targets, 1, batch_size=base.batch_size, num_replicas=base.num_replicas, rank=base.rank,
-            shuffle=shuffle, seed=self.seed,
+            dataset.targets,
+            1,
+            batch_size=base.batch_size,
+            num_replicas=base.num_replicas,
+            rank=base.rank,
+            shuffle=shuffle,
+            seed=self.seed,
         )
 
     @override
     def _loader(self, dataset: Any, sampler: Any) -> DataLoader:
         return PositionedLoader(
-            dataset, batch_size=self.batch_size, sampler=sampler, num_workers=self.num_workers,
+            dataset,
+            batch_size=self.batch_size,
+            sampler=sampler,
+            num_workers=self.num_workers,
             collate_fn=dataset.collate,
         )
-
-
-def builtin_pairs(count: int = 2000, seed: int = 0) -> Iterator[tuple[str, dict[str, Any]]]:
-    """Small preference pairs generated from `seed` (present on every machine): a question, the right answer chosen,
-    a wrong one rejected (a sum off by a few, a word misspelt), some with a system turn. Learnable: a model that
-    trains on them prefers the right answers more and more."""
-    import random
-
-    rng = random.Random(seed)
-    words = ("apple", "river", "planet", "garden", "silver", "window", "orange", "castle", "forest", "rocket")
-    for index in range(count):
-        kind = rng.randrange(3)
-        if kind == 0:
-            a, b = rng.randrange(100), rng.randrange(100)
-            question, right, wrong = f"What is {a} + {b}?", f"{a} + {b} = {a + b}.", f"{a} + {b} = {a + b + rng.choice((-3, -1, 1, 2, 10))}."
-        elif kind == 1:
-            word = rng.choice(words)
-            scrambled = list(word[::-1])
-            i = rng.randrange(len(scrambled) - 1)
-            scrambled[i], scrambled[i + 1] = scrambled[i + 1], scrambled[i]
-            question, right, wrong = f"Reverse the word '{word}'.", word[::-1], "".join(scrambled)
-            if wrong == right:
-                wrong = right + right[-1]
-        else:
-            word = rng.choice(words)
-            question, right, wrong = f"Spell '{word}' in capitals.", word.upper(), word.capitalize()
-        prompt = [{"role": "system", "content": "You answer briefly."}] if rng.random() < 0.3 else []
-        prompt.append({"role": "user", "content": question})
-        yield f"the built-in preference pairs, record {index}", {
-            "prompt": prompt,
-            "chosen": [{"role": "assistant", "content": right}],
-            "rejected": [{"role": "assistant", "content": wrong}],
-        }

@@ -267,8 +267,9 @@ class PreferenceSteps:
         return self._reference[0]
 
     def _has_adapters(self) -> bool:
-        return any(hasattr(module, "lora_disabled") or getattr(module, "expert_adapters", None) for module in
-                   self.modules())
+        return any(
+            hasattr(module, "lora_disabled") or getattr(module, "expert_adapters", None) for module in self.modules()
+        )
 
     def _check_preference_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
         if self.preference is None:
