@@ -1,0 +1,139 @@
+"""TRL's `DPOTrainer` on the pairs, model and order a one-process parallelkit run trains on: the reference its per-step
+losses and metrics must equal (tests/test_preference.py).
+
+    python tests/scripts/trl_dpo.py PRETRAINED PAIRS.jsonl OUT.json --steps 6 --batch-size 4 [--lora] [--loss-type ipo]
+        [--rpo-alpha 0.5]
+
+The pairs' order is the one `PreferenceDataModule` gives one process (its train split, shuffled by its seed), fed to
+TRL in sequence; the optimizer and schedule are `HFCausalLM`'s (AdamW with its decay groups, warmup then cosine)
+handed to the trainer; no clipping. With `--lora`, the PEFT model carries parallelkit's initial adapters (built from
+the same seed), and TRL's reference is that model with its adapters off. OUT.json: per step, TRL's logged metrics and
+the loss `compute_loss` returned (the Trainer's logged `loss` is rounded to 4 digits).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import lightning as L
+import torch
+from datasets import Dataset
+from torch.utils.data import SequentialSampler
+from trl import DPOConfig, DPOTrainer
+
+from parallelkit.data import PreferenceDataModule
+from parallelkit.data.sampler import GlobalBatchSampler
+from parallelkit.models import HFCausalLM
+
+LORA = {"rank": 8, "alpha": 16, "dropout": 0.0, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("pretrained")
+    parser.add_argument("pairs")
+    parser.add_argument("out")
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--max-length", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--beta", type=float, default=0.1)
+    parser.add_argument("--loss-type", default="sigmoid")
+    parser.add_argument("--rpo-alpha", type=float, default=None)
+    parser.add_argument("--val-fraction", type=float, default=0.05)
+    parser.add_argument("--seed", type=int, default=42)
+    parser.add_argument("--data-seed", type=int, default=1234)
+    parser.add_argument("--lora", action="store_true")
+    args = parser.parse_args()
+
+    records = [json.loads(line) for line in Path(args.pairs).read_text().splitlines() if line.strip()]
+    train = records[: int(round(len(records) * (1.0 - args.val_fraction)))]
+    order = list(GlobalBatchSampler(len(train), batch_size=args.batch_size, shuffle=True, seed=args.data_seed))
+    ordered = [train[i] for i in order[: args.steps * args.batch_size]]
+
+    L.seed_everything(args.seed)  # as the run's seed_everything, so that LoRA's adapters start alike
+    ours = HFCausalLM(pretrained=args.pretrained, lr=args.lr, warmup_steps=args.warmup_steps, lora=LORA if args.lora else None)
+    model = ours.model
+    if args.lora:
+        from peft import LoraConfig, get_peft_model
+
+        from parallelkit.lora import is_adapter
+        from parallelkit.lora_experts import peft_names
+        from transformers import AutoModelForCausalLM
+
+        base = AutoModelForCausalLM.from_pretrained(args.pretrained, attn_implementation="sdpa")
+        model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA["targets"]))
+        adapters = {k: v.detach().clone() for k, v in ours.model.named_parameters() if is_adapter(k)}
+        values = {
+            f"base_model.model.{k.removesuffix('.weight')}.default.weight": v
+            for k, v in peft_names(adapters, LORA["targets"]).items()
+        }
+        assert not model.load_state_dict(values, strict=False).unexpected_keys
+
+    hp = ours.hparams
+    trained = [p for p in model.parameters() if p.requires_grad]
+    groups = [
+        {"params": [p for p in trained if p.ndim >= 2], "weight_decay": hp.weight_decay},
+        {"params": [p for p in trained if p.ndim < 2], "weight_decay": 0.0},
+    ]
+    optimizer = torch.optim.AdamW([g for g in groups if g["params"]], lr=hp.lr, betas=hp.betas)
+
+    def schedule(step: int) -> float:  # HFCausalLM's
+        if step < hp.warmup_steps:
+            return (step + 1) / hp.warmup_steps
+        progress = min((step - hp.warmup_steps) / max(args.steps - hp.warmup_steps, 1), 1.0)
+        return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule)
+    losses: list[float] = []
+
+    class InOrder(DPOTrainer):
+        def _get_train_sampler(self, *_: object) -> SequentialSampler:
+            return SequentialSampler(self.train_dataset)
+
+        def compute_loss(self, *call: object, **kwargs: object) -> torch.Tensor:
+            loss = super().compute_loss(*call, **kwargs)
+            losses.append(float(loss.detach()))
+            return loss
+
+    settings = DPOConfig(
+        output_dir=str(Path(args.out).parent / "trl"),
+        per_device_train_batch_size=args.batch_size,
+        max_steps=args.steps,
+        logging_steps=1,
+        max_grad_norm=0.0,
+        max_length=args.max_length,
+        beta=args.beta,
+        loss_type=[args.loss_type] if args.rpo_alpha is None else [args.loss_type, "sft"],
+        loss_weights=None if args.rpo_alpha is None else [1.0, args.rpo_alpha],
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        dataloader_drop_last=True,
+        pad_to_multiple_of=None,
+        seed=args.seed,
+        bf16=False,  # TRL's default is bf16 autocast; the comparison is in fp32
+    )
+    tokenizer = PreferenceDataModule(tokenizer=args.pretrained).tokenizer_directory()
+    from transformers import AutoTokenizer
+
+    trainer = InOrder(
+        model=model,
+        args=settings,
+        train_dataset=Dataset.from_list(ordered),
+        processing_class=AutoTokenizer.from_pretrained(str(tokenizer)),
+        optimizers=(optimizer, scheduler),
+    )
+    trainer.train()
+    logged = [entry for entry in trainer.state.log_history if "rewards/chosen" in entry]
+    assert len(logged) == args.steps and len(losses) == args.steps, (len(logged), len(losses))
+    steps = [{**entry, "loss": loss} for entry, loss in zip(logged, losses)]
+    Path(args.out).write_text(json.dumps(steps))
+
+
+if __name__ == "__main__":
+    main()
