@@ -67,6 +67,8 @@ class CausalLM(PreferenceSteps, L.LightningModule):
         # ranks of one replica hold the same tokens.
         self.dp_group = token_group(self.trainer.strategy)
         self.val_loss.process_group = self.dp_group
+        if stage == "fit":  # preference tuning's frozen copy: of the weights training starts from, before a restore
+            self.frozen_reference()
 
     @override
     def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:

@@ -264,7 +264,11 @@ class PreferenceSteps:
             return None
         if getattr(self, "_reference", None) is None:
             self._reference = [FrozenCopy(self)]  # in a list: not a submodule (no state dict, no optimizer)
-        return self._reference[0]
+        reference = self._reference[0]
+        weight = next(self.model.parameters())
+        if not isinstance(weight, DTensor) and not weight.is_meta:  # no parallelkit strategy: as Lightning moved us
+            reference.to(device=weight.device, dtype=weight.dtype)
+        return reference
 
     def _has_adapters(self) -> bool:
         return any(
@@ -382,7 +386,15 @@ class FrozenCopy(nn.Module):
             )
         self.model = copy.deepcopy(network)
         self.model.requires_grad_(False)
+        self._route = getattr(type(model), "route_attention", None)  # it reads only `self.model`
         self.eval()
+
+    def route_attention(self) -> None:
+        """Context parallelism's attention for the copy's attention modules, as the model routes its own
+        (`parallelkit.contract.ATTENTION_HOOK`)."""
+        if self._route is None:
+            raise ConfigError("the frozen reference's model routes no attention for context parallelism.")
+        self._route(self)
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         output = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)

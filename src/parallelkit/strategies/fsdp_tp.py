@@ -14,6 +14,7 @@ from parallelkit.errors import ConfigError
 from parallelkit.mesh import MeshSpec
 from parallelkit.parallel import parallelize
 from parallelkit.strategies.base import MeshShape, ParallelkitStrategy
+from parallelkit.strategies.reference import build_reference, wanted_reference
 
 _NOT_PLANNED = object()
 """`FSDPTPStrategy._auto_plan` before `plan_auto_mesh` has run (its result may be None: every process shards)."""
@@ -43,6 +44,19 @@ class FSDPTPStrategy(ParallelkitStrategy):
     memory_headroom: float | None = None
     """The share of each device's memory `mesh_shape="auto"` leaves free: None for the planner's default
     (`planner.MEMORY_HEADROOM`, as `parallelkit plan`); `parallelkit check --dry-run --memory-headroom` sets it."""
+
+    @override
+    def setup(self, trainer: Any) -> None:
+        reference = wanted_reference(self.lightning_module)  # preference tuning's frozen copy, still whole
+        super().setup(trainer)
+        if reference is None:
+            return
+        if self.resolved is None:
+            raise ConfigError(
+                f"{type(self.lightning_module).__name__} parallelises itself in configure_model(), so its frozen "
+                "reference cannot be parallelised as it. Fix: LoRA (reference: adapters), or the model's declared plan."
+            )
+        build_reference(self, reference, parallelize)
 
     def parallelize_model(self, trainer: Any) -> None:
         # The escape hatch: a model overriding configure_model() has already parallelised itself there.

@@ -1,0 +1,51 @@
+"""The frozen reference of preference tuning, parallelised exactly as the model it is a copy of.
+
+A model that wants one (`parallelkit.models.preference.FROZEN_REFERENCE`: DPO without adapters) hands the strategy a
+copy of its network under its own module names before the model is parallelised. Once the model is parallelised and
+holds its starting values (pretrained or the seed's, before a checkpoint's are restored: the reference is the model as
+this training began, on a resume too), the copy gets the same plan (tensor, expert and context parallelism, FSDP
+units and mixed precision) and then each of the model's local shards: no gather, no second read of the weights. It is
+never trained: no gradients, no optimizer state, no place in checkpoints.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from parallelkit.compat import apply_to_tensors
+from parallelkit.errors import ConfigError
+from parallelkit.init import retie, tied_parameters
+
+
+def wanted_reference(module: Any) -> nn.Module | None:
+    """The copy `module` asks for (`frozen_reference()`), or None; made before the module is parallelised."""
+    from parallelkit.models.preference import FROZEN_REFERENCE
+
+    hook = getattr(module, FROZEN_REFERENCE, None)
+    return hook() if callable(hook) else None
+
+
+def build_reference(strategy: Any, reference: nn.Module, parallelize: Any) -> None:
+    """Parallelise `reference` as the strategy parallelised its model (`parallelize(module, mesh, **options)`), on
+    the model's device and precision, and give it the model's local values, parameters and buffers by name."""
+    options = {**strategy.parallelize_options(), "prepare": None}
+    parallelize(reference, strategy.device_mesh, **options)
+    device = next(strategy.model.parameters()).device
+    tied = tied_parameters(reference)
+    apply_to_tensors(reference, lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
+    retie(reference, tied)
+    values = {**dict(strategy.model.named_parameters()), **dict(strategy.model.named_buffers())}
+    with torch.no_grad():
+        for name, tensor in [*reference.named_parameters(), *reference.named_buffers()]:
+            source = values.get(name)
+            if source is None:
+                raise ConfigError(f"the frozen reference has {name}, which the model does not: it is not its copy.")
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            local.copy_(source.to_local() if isinstance(source, DTensor) else source)
+    reference.requires_grad_(False)
+    reference.eval()
+    strategy.precision_plugin.convert_module(reference)
