@@ -1,8 +1,8 @@
 """TRL's `DPOTrainer` on the pairs, model and order a one-process parallelkit run trains on: the reference its per-step
 losses and metrics must equal (tests/test_preference.py).
 
-    python tests/scripts/trl_dpo.py PRETRAINED PAIRS.jsonl OUT.json --steps 6 --batch-size 4 [--lora] [--loss-type ipo]
-        [--rpo-alpha 0.5]
+    python tests/scripts/trl_dpo.py PRETRAINED PAIRS.jsonl OUT.json --steps 6 --batch-size 4 [--accumulate 2] [--lora]
+        [--loss-type ipo] [--rpo-alpha 0.5]
 
 The pairs' order is the one `PreferenceDataModule` gives one process (its train split, shuffled by its seed), fed to
 TRL in sequence; the optimizer and schedule are `HFCausalLM`'s (AdamW with its decay groups, warmup then cosine)
@@ -38,6 +38,7 @@ def main() -> None:
     parser.add_argument("out")
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--accumulate", type=int, default=1)
     parser.add_argument("--max-length", type=int, default=256)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup-steps", type=int, default=2)
@@ -53,7 +54,7 @@ def main() -> None:
     records = [json.loads(line) for line in Path(args.pairs).read_text().splitlines() if line.strip()]
     train = records[: int(round(len(records) * (1.0 - args.val_fraction)))]
     order = list(GlobalBatchSampler(len(train), batch_size=args.batch_size, shuffle=True, seed=args.data_seed))
-    ordered = [train[i] for i in order[: args.steps * args.batch_size]]
+    ordered = [train[i] for i in order[: args.steps * args.batch_size * args.accumulate]]
 
     L.seed_everything(args.seed)  # as the run's seed_everything, so that LoRA's adapters start alike
     ours = HFCausalLM(pretrained=args.pretrained, lr=args.lr, warmup_steps=args.warmup_steps, lora=LORA if args.lora else None)
@@ -103,6 +104,7 @@ def main() -> None:
     settings = DPOConfig(
         output_dir=str(Path(args.out).parent / "trl"),
         per_device_train_batch_size=args.batch_size,
+        gradient_accumulation_steps=args.accumulate,
         max_steps=args.steps,
         logging_steps=1,
         max_grad_norm=0.0,
@@ -130,8 +132,10 @@ def main() -> None:
     )
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "rewards/chosen" in entry]
-    assert len(logged) == args.steps and len(losses) == args.steps, (len(logged), len(losses))
-    steps = [{**entry, "loss": loss} for entry, loss in zip(logged, losses)]
+    assert len(logged) == args.steps and len(losses) == args.steps * args.accumulate, (len(logged), len(losses))
+    micro = args.accumulate  # a step's loss: the mean of its micro-batches' (each the mean over its pairs)
+    step_losses = [sum(losses[i * micro : (i + 1) * micro]) / micro for i in range(args.steps)]
+    steps = [{**entry, "loss": loss} for entry, loss in zip(logged, step_losses)]
     Path(args.out).write_text(json.dumps(steps))
 
 
