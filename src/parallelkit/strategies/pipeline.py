@@ -208,6 +208,11 @@ class PipelineStrategy(ParallelkitStrategy):
                 "pipeline_layers and cannot split a model that parallelised itself. Remove configure_model() "
                 "or use strategy='fsdp_tp'."
             )
+        if getattr(model, "preference", None) is not None:
+            raise ConfigError(
+                "preference tuning (model.preference) under pipeline parallelism: not done yet (the last stage would "
+                "need each pair's two sequences and their reference log-probs). Fix: fsdp x tp, as configs/dpo.yaml."
+            )
         resolved = resolve(
             model,
             tp=self.mesh_spec.size("tp"),

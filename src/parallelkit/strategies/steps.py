@@ -30,6 +30,7 @@ from parallelkit.compat import (
     set_rng_states,
     training_position,
 )
+from parallelkit.contract import is_preference_batch
 from parallelkit.errors import ConfigError
 from parallelkit.grad_norm import settle_gradients
 from parallelkit.mesh import stage_group
@@ -204,6 +205,12 @@ class ParallelSteps:
                 "replica_groups with token batches (SFT or packed data: a loss divided by the step's target count): "
                 "the count is the whole job's, and the groups that take part vary from step to step; not done yet. "
                 "Fix: train replica groups on fixed-length windows (parallelkit.data.TextDataModule)."
+            )
+        if is_preference_batch(batch):
+            raise ConfigError(
+                "replica_groups with preference pairs (model.preference): the metrics and the NLL term's count are "
+                "one group's, and a healing group's frozen reference is not checked; not done yet. Fix: train "
+                "preference tuning without replica_groups."
             )
         position = {**training_position(self.lightning_module.trainer), "rng": rng_states()}
         self.replica_group.start_step(position)  # what a group joining in this step's quorum copies

@@ -1,0 +1,180 @@
+"""Preference tuning (`HFCausalLM(preference=...)` on `PreferenceDataModule` pairs): one process equals TRL's
+`DPOTrainer` per step (loss and every logged reward metric; full fine-tuning, LoRA with the adapters off as the
+reference, IPO, the NLL term with accumulation), SimPO equals its published formula, every layout equals one process
+(fsdp x tp with sequence and loss parallelism and a frozen reference sharded as the model, LoRA on fsdp x tp, cp by
+all-gather and by Ulysses, accumulation, a resume in another layout), and bad pairs are refused before launch, every
+one named in one message."""
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+import transformers
+from models import TINY_LLAMA
+from support import assert_ok, checkpoint_every, fit, made_once, parallelkit, run, REPO
+
+from parallelkit.data import PreferenceDataModule
+from parallelkit.data.chat import builtin_pairs, builtin_tokenizer, load_tokenizer
+from parallelkit.errors import DataError
+from parallelkit.models.preference import METRICS
+
+DPO = "dpo.yaml"
+STEPS = 6
+LORA = "--model.init_args.lora={rank: 8, alpha: 16, targets: [q_proj, k_proj, v_proj, o_proj]}"
+TRL_VARIANTS = {
+    "dpo": {},
+    "lora": {"lora": True},
+    "ipo": {"loss_type": "ipo"},
+    "rpo_accumulated": {"batch_size": 2, "accumulate": 2, "rpo_alpha": 0.5},
+}
+LOGGED = ("train_loss", *METRICS[1:])
+"""What a step logs: TRL's metric names, the loss as `train_loss`."""
+
+
+@pytest.fixture(scope="module")
+def sft_export(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small pretrained chat model as an SFT run exports it: a Llama with the built-in chat tokenizer beside it, and
+    400 preference pairs as JSONL (`pairs.jsonl` in the same directory's parent)."""
+
+    def make(directory: Path) -> None:
+        model = directory / "model"
+        torch.manual_seed(7)
+        config = transformers.LlamaConfig(**{**TINY_LLAMA, "vocab_size": 264, "max_position_embeddings": 256})
+        transformers.LlamaForCausalLM(config).save_pretrained(str(model))
+        load_tokenizer(builtin_tokenizer(directory / "tokenizer")).save_pretrained(str(model))
+        records = [record for _, record in builtin_pairs(count=400, seed=1)]
+        (directory / "pairs.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+
+    return made_once(tmp_path_factory, "preference-export", make) / "model"
+
+
+@pytest.fixture(scope="module")
+def trl(tmp_path_factory: pytest.TempPathFactory, sft_export: Path) -> dict[str, list[dict[str, float]]]:
+    """TRL's `DPOTrainer` on the same model, pairs, order, optimizer and schedule (tests/scripts/trl_dpo.py): its
+    per-step metrics by variant, made once in one process."""
+
+    def make(directory: Path) -> None:
+        pairs = sft_export.parent / "pairs.jsonl"
+        args = [str(sft_export), str(pairs), str(directory / "trl.json"), f"--steps={STEPS}"]
+        assert_ok(run(["python", str(REPO / "tests/scripts/trl_dpo.py"), *args, "--variants", json.dumps(TRL_VARIANTS)],
+                      cwd=directory))
+
+    return json.loads((made_once(tmp_path_factory, "preference-trl", make) / "trl.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory, sft_export: Path):
+    """`runs(name, *overrides)`: a 6-step run of configs/dpo.yaml from the SFT export on its pairs, made once."""
+
+    def get(name: str, *overrides: str) -> Path:
+        def make(directory: Path) -> None:
+            common = (
+                "--model.init_args.config=null",
+                f"--model.init_args.pretrained={sft_export}",
+                f"--data.init_args.paths={sft_export.parent / 'pairs.jsonl'}",
+                f"--trainer.max_steps={STEPS}",
+                "--model.init_args.warmup_steps=2",
+                "--trainer.limit_val_batches=0",
+                "--trainer.callbacks=[]",
+            )
+            assert_ok(fit(DPO, directory, *common, *overrides))
+
+        return made_once(tmp_path_factory, f"preference-{name}", make)
+
+    return get
+
+
+def logged(save_dir: Path) -> list[dict[str, float]]:
+    """Each step's logged values (`LOGGED`), in step order."""
+    files = sorted(save_dir.rglob("metrics.csv"))
+    with open(files[-1]) as f:
+        rows = [row for row in csv.DictReader(f) if row.get("train_loss")]
+    return [{key: float(row[key]) for key in LOGGED} for row in sorted(rows, key=lambda row: int(row["step"]))]
+
+
+def assert_same_steps(expected: list[dict[str, float]], actual: list[dict[str, float]], tol: float = 1e-5) -> None:
+    """Every value of every step within `tol`, relative to the value or, below 1, absolute: the rewards are
+    differences of log-probs of size 50-90 (`beta` x their fp32 rounding is 4e-7)."""
+    assert len(expected) == len(actual) == STEPS, (len(expected), len(actual))
+    for step, (want, got) in enumerate(zip(expected, actual)):
+        for key in LOGGED:
+            assert abs(got[key] - want[key]) <= tol * max(abs(want[key]), 1.0), (step, key, want[key], got[key])
+
+
+def as_trl(steps: list[dict[str, float]]) -> list[dict[str, float]]:
+    return [{"train_loss": step["loss"], **{key: step[key] for key in METRICS[1:]}} for step in steps]
+
+
+ONE = ("--trainer.strategy=auto", "--trainer.devices=1")
+ONE_PROCESS = {
+    "dpo": (*ONE, "--data.init_args.batch_size=4"),
+    "lora": (*ONE, "--data.init_args.batch_size=4", LORA),
+    "ipo": (*ONE, "--data.init_args.batch_size=4", "--model.init_args.preference.loss_type=ipo"),
+    "rpo_accumulated": (
+        *ONE,
+        "--data.init_args.batch_size=2",
+        "--trainer.accumulate_grad_batches=2",
+        "--model.init_args.preference.rpo_alpha=0.5",
+    ),
+}
+
+
+@pytest.mark.parametrize("variant", list(TRL_VARIANTS))
+def test_one_process_equals_trl_dpo_trainer_per_step(runs, trl, variant):
+    """Full fine-tuning against a frozen copy, LoRA against the adapters switched off (TRL's PEFT path), IPO, and the
+    NLL term with gradient accumulation: TRL's loss and every metric it logs, each step."""
+    assert_same_steps(as_trl(trl[variant]), logged(runs(f"one_{variant}", *ONE_PROCESS[variant])))
+
+
+FSDP_TP = ("--data.init_args.batch_size=2",)  # the config's [[2, 2], ["fsdp", "tp"]]: 2 pairs x fsdp 2 = 4
+LAYOUTS = {
+    # the frozen reference sharded as the model: FSDP2 x tp with sequence and loss parallelism, meta_init
+    "fsdp2_tp2": ("dpo", FSDP_TP),
+    "lora_fsdp2_tp2": ("lora", (*FSDP_TP, LORA)),
+    "fsdp2_cp2_allgather": ("dpo", ('--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]', *FSDP_TP)),
+    "fsdp2_cp2_ulysses": (
+        "dpo",
+        ('--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]', "--trainer.strategy.cp_method=ulysses", *FSDP_TP),
+    ),
+    "fsdp2_accumulate2_rpo": (
+        "rpo_accumulated",
+        (
+            '--trainer.strategy.mesh_shape=[[2, 1], ["fsdp", "tp"]]',
+            "--trainer.devices=2",
+            "--data.init_args.batch_size=1",
+            "--trainer.accumulate_grad_batches=2",
+            "--model.init_args.preference.rpo_alpha=0.5",
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_every_layout_equals_one_process_per_step(runs, layout):
+    variant, overrides = LAYOUTS[layout]
+    assert_same_steps(logged(runs(f"one_{variant}", *ONE_PROCESS[variant])), logged(runs(layout, *overrides)))
+
+
+def test_a_resume_in_another_layout_continues_the_run(runs, tmp_path):
+    """fsdp x tp's step-3 checkpoint resumed on fsdp 4: the reference is rebuilt from the pretrained weights (the run's
+    start, not the checkpoint), and steps 3-5 equal the uninterrupted run's."""
+    straight = runs("fsdp2_tp2_checkpointed", *FSDP_TP, checkpoint_every(Path("ckpt"), 3))
+    ckpt = next(straight.rglob("epoch=0-step=3.ckpt"))
+    resumed = runs(
+        "resumed_fsdp4",
+        '--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]',
+        "--data.init_args.batch_size=1",
+        f"--ckpt_path={ckpt}",
+    )
+    files = sorted(resumed.rglob("metrics.csv"))
+    with open(files[-1]) as f:
+        rows = {int(row["step"]): row for row in csv.DictReader(f) if row.get("train_loss")}
+    whole = logged(straight)
+    assert sorted(rows) == [3, 4, 5]
+    for step, row in rows.items():
+        for key in LOGGED:
+            want = whole[step][key]
+            assert abs(float(row[key]) - want) <= 1e-5 * max(abs(want), 1.0), (step, key)
