@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from models import TINY_LLAMA
-from support import assert_ok, checkpoint_every, fit, made_once, parallelkit, run, REPO
+from support import REPO, assert_ok, checkpoint_every, fit, made_once, run
 
 from parallelkit.data import PreferenceDataModule
 from parallelkit.data.chat import builtin_pairs, builtin_tokenizer, load_tokenizer
@@ -59,8 +59,12 @@ def trl(tmp_path_factory: pytest.TempPathFactory, sft_export: Path) -> dict[str,
     def make(directory: Path) -> None:
         pairs = sft_export.parent / "pairs.jsonl"
         args = [str(sft_export), str(pairs), str(directory / "trl.json"), f"--steps={STEPS}"]
-        assert_ok(run(["python", str(REPO / "tests/scripts/trl_dpo.py"), *args, "--variants", json.dumps(TRL_VARIANTS)],
-                      cwd=directory))
+        assert_ok(
+            run(
+                ["python", str(REPO / "tests/scripts/trl_dpo.py"), *args, "--variants", json.dumps(TRL_VARIANTS)],
+                cwd=directory,
+            )
+        )
 
     return json.loads((made_once(tmp_path_factory, "preference-trl", make) / "trl.json").read_text())
 
@@ -109,8 +113,9 @@ def as_trl(steps: list[dict[str, float]]) -> list[dict[str, float]]:
 
 
 ONE = ("--trainer.strategy=auto", "--trainer.devices=1")
+VALIDATE = ("--trainer.limit_val_batches=2", "--trainer.val_check_interval=3")  # 2 global batches of 4 pairs
 ONE_PROCESS = {
-    "dpo": (*ONE, "--data.init_args.batch_size=4"),
+    "dpo": (*ONE, "--data.init_args.batch_size=4", *VALIDATE),
     "lora": (*ONE, "--data.init_args.batch_size=4", LORA),
     "ipo": (*ONE, "--data.init_args.batch_size=4", "--model.init_args.preference.loss_type=ipo"),
     "rpo_accumulated": (
@@ -132,7 +137,7 @@ def test_one_process_equals_trl_dpo_trainer_per_step(runs, trl, variant):
 FSDP_TP = ("--data.init_args.batch_size=2",)  # the config's [[2, 2], ["fsdp", "tp"]]: 2 pairs x fsdp 2 = 4
 LAYOUTS = {
     # the frozen reference sharded as the model: FSDP2 x tp with sequence and loss parallelism, meta_init
-    "fsdp2_tp2": ("dpo", FSDP_TP),
+    "fsdp2_tp2": ("dpo", (*FSDP_TP, *VALIDATE)),
     "lora_fsdp2_tp2": ("lora", (*FSDP_TP, LORA)),
     "fsdp2_cp2_allgather": ("dpo", ('--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]', *FSDP_TP)),
     "fsdp2_cp2_ulysses": (
@@ -178,3 +183,118 @@ def test_a_resume_in_another_layout_continues_the_run(runs, tmp_path):
         for key in LOGGED:
             want = whole[step][key]
             assert abs(float(row[key]) - want) <= 1e-5 * max(abs(want), 1.0), (step, key)
+
+
+def validation(save_dir: Path) -> dict[int, dict[str, float]]:
+    files = sorted(save_dir.rglob("metrics.csv"))
+    with open(files[-1]) as f:
+        rows = [row for row in csv.DictReader(f) if row.get("val_loss")]
+    return {int(row["step"]): {f"val_{key}": float(row[f"val_{key}"]) for key in METRICS} for row in rows}
+
+
+def test_validation_logs_trls_metrics_on_the_held_out_pairs_as_one_process(runs):
+    """`val_loss`, `val_rewards/accuracies`, ...: the held-out pairs' metrics, averaged over the validation's batches
+    (as TRL's evaluation), equal on fsdp x tp and one process; after training the model prefers the chosen more."""
+    one = validation(runs("one_dpo", *ONE_PROCESS["dpo"]))
+    layout = validation(runs("fsdp2_tp2", *LAYOUTS["fsdp2_tp2"][1]))
+    assert sorted(one) == sorted(layout) == [2, 5]
+    for step in one:
+        for key, want in one[step].items():
+            assert abs(layout[step][key] - want) <= 1e-5 * max(abs(want), 1.0), (step, key, want, layout[step][key])
+    assert one[5]["val_rewards/margins"] > one[2]["val_rewards/margins"] > 0
+
+
+SIMPO = ("--model.init_args.preference={loss_type: simpo, beta: 2.0, simpo_gamma: 0.5}",)
+
+
+def test_simpo_is_its_published_formula_and_equal_on_fsdp_x_tp(runs, sft_export, tmp_path):
+    """SimPO (Meng et al. 2024, eq. 6; TRL's CPOTrainer with loss_type="simpo" and cpo_alpha=0 computes the same but
+    tokenizes with its older pipeline): -log sigmoid(beta/|y_w| log pi(y_w|x) - beta/|y_l| log pi(y_l|x) - gamma), no
+    reference. Step 0's loss and rewards from transformers' own forward on the first global batch; every step of
+    fsdp x tp equal to one process."""
+    one = logged(runs("one_simpo", *ONE, "--data.init_args.batch_size=4", *SIMPO))
+    assert_same_steps(one, logged(runs("simpo_fsdp2_tp2", *FSDP_TP, *SIMPO)))
+    data = PreferenceDataModule(paths=str(sft_export.parent / "pairs.jsonl"), tokenizer=str(sft_export), batch_size=4)
+    data.setup("fit")
+    batch = next(iter(data.train_dataloader()))
+    model = transformers.AutoModelForCausalLM.from_pretrained(str(sft_export)).eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"]).logits
+    labels = batch["labels"]
+    per_token = -F.cross_entropy(logits.transpose(1, 2), labels, reduction="none")
+    average = per_token.sum(-1) / labels.ne(-100).sum(-1)
+    chosen, rejected = average.chunk(2)
+    loss = -F.logsigmoid(2.0 * (chosen - rejected) - 0.5).mean()
+    assert abs(one[0]["train_loss"] - loss.item()) <= 1e-5 * loss.item()
+    assert abs(one[0]["rewards/chosen"] - 2.0 * chosen.mean().item()) <= 1e-5 * abs(2.0 * chosen.mean().item())
+    assert one[0]["rewards/accuracies"] == (chosen > rejected).float().mean().item()
+
+
+# -- bad input --------------------------------------------------------------------------------------------------------
+PROMPT = [{"role": "user", "content": "What is 2 + 3?"}]
+GOOD = {
+    "prompt": PROMPT,
+    "chosen": [{"role": "assistant", "content": "5"}],
+    "rejected": [{"role": "assistant", "content": "6"}],
+}
+BAD = {
+    "a row missing rejected": {"prompt": "Say hi", "chosen": "hi"},
+    "chosen equal to rejected": {**GOOD, "rejected": GOOD["chosen"]},
+    "a prompt that leaves no completion token": {**GOOD, "prompt": [{"role": "user", "content": "x" * 80}]},
+}
+THINKING = (  # a template whose generation prompt opens a block the rendered conversation does not have
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}"
+)
+
+
+def bad_pairs(tmp_path: Path, rows: list) -> PreferenceDataModule:
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return PreferenceDataModule(
+        paths=str(path), tokenizer=str(builtin_tokenizer(tmp_path)), max_length=64, batch_size=1, val_fraction=0.0
+    )
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_each_bad_pair_is_refused_naming_its_line_and_the_fix(tmp_path, case):
+    data = bad_pairs(tmp_path, [GOOD, BAD[case], GOOD])
+    with pytest.raises(DataError) as refused:
+        data.setup("fit")
+    message = str(refused.value)
+    assert "1 of the 3 preference records" in message and "pairs.jsonl line 2 " in message, message
+    assert "Fix:" in message or "fix:" in message
+
+
+def test_a_template_that_cannot_mark_the_completion_is_refused(tmp_path):
+    data = bad_pairs(tmp_path, [GOOD, GOOD])
+    data.chat_template = THINKING
+    with pytest.raises(DataError, match=r"(?s)2 of the 2 .* line 1 renders its prompt alone .* line 2 renders"):
+        data.setup("fit")
+
+
+def test_every_bad_pair_is_named_in_one_refusal_before_launch(tmp_path):
+    """`parallelkit fit` on a file holding each kind of bad pair: one message naming all of them, from the launching
+    process, before any rank starts."""
+    rows = [GOOD, *BAD.values(), GOOD]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    refused = fit(
+        DPO,
+        tmp_path / "run",
+        f"--data.init_args.paths={path}",
+        "--data.init_args.max_length=64",
+        f"--data.init_args.tokenizer={builtin_tokenizer(tmp_path)}",
+    )
+    assert refused.returncode != 0
+    output = refused.stdout + refused.stderr
+    assert "3 of the 5 preference records" in output, output[-3000:]
+    for line in (2, 3, 4):
+        assert f"pairs.jsonl line {line} " in output
+    assert output.count("cannot be trained on") == 1 and "Traceback" not in output
+
+
+def test_pipelines_refuse_preference_tuning_before_launch(tmp_path):
+    refused = fit(DPO, tmp_path, "--trainer.strategy=1f1b", "--trainer.devices=2")
+    assert refused.returncode != 0
+    assert "preference tuning (model.preference) under pipeline parallelism: not done yet" in refused.stderr
