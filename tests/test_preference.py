@@ -30,8 +30,9 @@ TRL_VARIANTS = {
     "ipo": {"loss_type": "ipo"},
     "rpo_accumulated": {"batch_size": 2, "accumulate": 2, "rpo_alpha": 0.5},
 }
-LOGGED = ("train_loss", *METRICS[1:])
-"""What a step logs: TRL's metric names, the loss as `train_loss`."""
+LOGGED = ("train_loss", *METRICS[1:], "grad_norm")
+"""What a step logs: TRL's metric names, the loss as `train_loss`, and the gradient's norm (as TRL logs it): an error
+of scale in the gradients, which AdamW's update would hide, shows there."""
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +110,10 @@ def assert_same_steps(expected: list[dict[str, float]], actual: list[dict[str, f
 
 
 def as_trl(steps: list[dict[str, float]]) -> list[dict[str, float]]:
-    return [{"train_loss": step["loss"], **{key: step[key] for key in METRICS[1:]}} for step in steps]
+    return [
+        {"train_loss": step["loss"], "grad_norm": step["grad_norm"], **{k: step[k] for k in METRICS[1:]}}
+        for step in steps
+    ]
 
 
 ONE = ("--trainer.strategy=auto", "--trainer.devices=1")

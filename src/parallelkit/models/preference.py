@@ -342,6 +342,17 @@ class PreferenceSteps:
             self.log(key, value, on_step=True, on_epoch=False, prog_bar=shown, rank_zero_only=True)
         return loss
 
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        """Log `grad_norm` under preference tuning, as TRL does each step: the norm of the whole gradient the optimizer
+        is about to apply (before clipping), whatever the layout."""
+        super().on_before_optimizer_step(optimizer)
+        if self.preference is None:
+            return
+        from parallelkit.grad_norm import global_grad_norm
+
+        norm = global_grad_norm([p.grad for p in self.parameters() if p.grad is not None])
+        self.log("grad_norm", norm, on_step=True, on_epoch=False, rank_zero_only=True)
+
     def preference_validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> None:
         loss, sums, pairs = self.preference_scores(batch)
         replicas, group = self._data_parallel()
