@@ -161,6 +161,54 @@ LAYOUTS = {
 }
 
 
+SEEDED = {
+    "vocab_size": 264,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "tie_word_embeddings": False,
+}
+QLORA = (  # NF4 base weights drawn from the seed (blocks of 64 values, grouped by 256 blocks: hidden 128)
+    "--model.init_args.pretrained=null",
+    "--model.init_args.config="
+    + json.dumps({"model_type": "llama", **SEEDED, "hidden_size": 128, "intermediate_size": 256}),
+    "--model.init_args.lora={rank: 8, alpha: 16, targets: [q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, "
+    "down_proj], quantize_base: nf4}",
+    "--trainer.strategy.meta_init=false",
+)
+MOE = (  # a Qwen3-MoE drawn from the seed; the frozen reference's experts dispatched over ep as the model's
+    "--model.init_args.pretrained=null",
+    "--model.init_args.config="
+    + json.dumps(
+        {
+            "model_type": "qwen3_moe",
+            **SEEDED,
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "head_dim": 16,
+            "num_experts": 8,
+            "num_experts_per_tok": 2,
+            "norm_topk_prob": True,
+        }
+    ),
+)
+SEEDED_LAYOUTS = {
+    "qlora_fsdp4": (QLORA, '--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]'),
+    "moe_fsdp2_ep2": (MOE, '--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "ep"]]'),
+}
+
+
+@pytest.mark.parametrize("layout", list(SEEDED_LAYOUTS))
+def test_qlora_and_expert_parallel_equal_one_process_per_step(runs, layout):
+    """QLoRA (NF4 base, the reference its adapters off) on fsdp 4, and a mixture of experts on fsdp x ep with a
+    frozen reference, each against one process of the same model drawn from the seed."""
+    model, mesh = SEEDED_LAYOUTS[layout]
+    one = logged(runs(f"one_{layout}", *model, *ONE, "--data.init_args.batch_size=4"))
+    assert_same_steps(one, logged(runs(layout, *model, mesh, "--data.init_args.batch_size=1")))
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_every_layout_equals_one_process_per_step(runs, layout):
     variant, overrides = LAYOUTS[layout]
