@@ -14,7 +14,8 @@ import torch
 import torch.nn.functional as F
 import transformers
 from models import TINY_LLAMA
-from support import REPO, assert_ok, checkpoint_every, fit, made_once, run
+from snippets import parallelkit_args
+from support import REPO, assert_ok, checkpoint_every, fit, fit_command, made_once, parallelkit, run
 
 from parallelkit.data import PreferenceDataModule
 from parallelkit.data.chat import builtin_pairs, builtin_tokenizer, load_tokenizer
@@ -350,3 +351,33 @@ def test_pipelines_refuse_preference_tuning_before_launch(tmp_path):
     refused = fit(DPO, tmp_path, "--trainer.strategy=1f1b", "--trainer.devices=2")
     assert refused.returncode != 0
     assert "preference tuning (model.preference) under pipeline parallelism: not done yet" in refused.stderr
+
+
+def test_the_guides_command_tunes_an_sft_export_with_lora_and_exports_it(sft_export, tmp_path):
+    """docs/guides/preference.md's command on an SFT export and its pairs (4 steps on 4 processes), then its export:
+    a merged model transformers loads, whose logits moved from the SFT model's."""
+    place = {
+        "/data/Qwen2.5-0.5B-Instruct-sft": str(sft_export),
+        "/data/Qwen2.5-0.5B-Instruct-dpo": str(tmp_path / "export"),
+        "/data/pairs.jsonl": str(sft_export.parent / "pairs.jsonl"),
+    }
+    run = tmp_path / "run"
+    assert_ok(
+        fit_command(
+            parallelkit_args("dpo-from-sft", 0, **place),
+            run,
+            "--trainer.max_steps=4",
+            "--trainer.limit_val_batches=0",
+            "--trainer.callbacks.init_args.every_n_train_steps=4",  # the config's ModelCheckpoint
+            "--data.init_args.batch_size=2",
+        )
+    )
+    assert_ok(parallelkit(*parallelkit_args("dpo-from-sft", 1, **place), cwd=run))
+    ids = torch.tensor([[258, *b"user\nWhat is 2 + 3?", 256, 10, 258, *b"assistant\n"]])
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    original = transformers.AutoModelForCausalLM.from_pretrained(str(sft_export)).eval()
+    with torch.no_grad():
+        logits = exported(ids).logits
+        assert torch.isfinite(logits).all()
+        assert (logits - original(ids).logits).abs().max() > 1e-4  # it trained
+    assert (tmp_path / "export" / "tokenizer.json").is_file()
