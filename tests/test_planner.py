@@ -20,6 +20,7 @@ from parallelkit.models import GPT
 from parallelkit.models.gpt import Block
 from parallelkit.parallel.resolve import resolve, split_stages
 from parallelkit.planner import Estimate, Hardware, Workload, estimate, profile, recommend, workloads
+from parallelkit.planner.search import candidates
 
 GPT70B = {"vocab_size": 32000, "n_layer": 80, "n_head": 64, "n_embd": 8192}
 
@@ -495,3 +496,39 @@ def test_muon_keeps_one_state_per_matrix_element_and_adds_its_exchange_to_the_tr
     assert muon.params == adamw.params and muon.grads == adamw.grads
     assert muon.comm["fsdp"] - adamw.comm["fsdp"] == pytest.approx(2 * 6 * matrices / 4)
     assert 0.5 < matrices / trainable < 1  # the blocks' linear layers, not the embedding and head
+
+
+def test_preference_tunings_reference_is_counted_a_frozen_copy_as_parameters_and_adapters_off_as_nothing():
+    """DPO on a Llama of configs/dpo.yaml's sizes, [[2, 2]]: a frozen copy adds the model's parameter shards and
+    nothing else (no gradients, no optimizer state); with LoRA the reference is the base with its adapters off, no
+    memory at all; either reference runs one more forward (a third of the step's compute). No pipeline layout is
+    planned for it (pipelines refuse preference tuning)."""
+    from parallelkit.models import HFCausalLM
+    from parallelkit.models.preference import Preference
+
+    sizes = {
+        "model_type": "llama",
+        "vocab_size": 264,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+    }
+    lora = {"rank": 8, "targets": ["q_proj", "v_proj"]}
+    with torch.device("meta"):
+        models = {
+            "sft": HFCausalLM(config=sizes),
+            "copy": HFCausalLM(config=sizes, preference=Preference()),
+            "lora": HFCausalLM(config=sizes, lora=lora),
+            "adapters": HFCausalLM(config=sizes, lora=lora, preference=Preference()),
+        }
+    mesh, work, hw = MeshSpec((2, 2), ("fsdp", "tp")), Workload(seq_len=64, micro_batch=4), Hardware(1, 4, 80e9)
+    plans = {name: estimate(profile(model, 64), mesh, work, hw) for name, model in models.items()}
+    assert plans["copy"].params == 2 * plans["sft"].params
+    assert (plans["copy"].grads, plans["copy"].optimizer) == (plans["sft"].grads, plans["sft"].optimizer)
+    assert plans["adapters"].state == plans["lora"].state
+    for dpo, sft in (("copy", "sft"), ("adapters", "lora")):
+        assert plans[dpo].step_s > plans[sft].step_s
+    pipelined = {spec.size("pp") for spec, _ in candidates(profile(models["sft"], 64), hw, work)}
+    assert pipelined > {1} and {spec.size("pp") for spec, _ in candidates(profile(models["copy"], 64), hw, work)} == {1}

@@ -121,6 +121,16 @@ class Preference:
         return self.reference
 
 
+def reference_source(model: nn.Module) -> str:
+    """Where `model`'s preference tuning takes its reference: "copy", "adapters", or "none" (SimPO, or no preference
+    tuning)."""
+    preference = getattr(model, "preference", None)
+    if not isinstance(preference, Preference):
+        return "none"
+    adapted = any(hasattr(m, "lora_disabled") or getattr(m, "expert_adapters", None) for m in model.modules())
+    return preference.source(adapted)
+
+
 def as_preference(value: Preference | Mapping[str, Any] | None) -> Preference | None:
     """`value` as `Preference` (a mapping as LightningCLI passes it), or None."""
     if value is None or isinstance(value, Preference):
@@ -260,7 +270,7 @@ class PreferenceSteps:
     def frozen_reference(self) -> nn.Module | None:
         """The reference a strategy parallelises beside the model (`FROZEN_REFERENCE`): a copy of the network for
         `reference: copy`, else None. A model whose network is a child (`self.model`) gives that child's copy."""
-        if self.preference is None or self.preference.source(self._has_adapters()) != "copy":
+        if reference_source(self) != "copy":
             return None
         if getattr(self, "_reference", None) is None:
             self._reference = [FrozenCopy(self)]  # in a list: not a submodule (no state dict, no optimizer)
@@ -269,11 +279,6 @@ class PreferenceSteps:
         if not isinstance(weight, DTensor) and not weight.is_meta:  # no parallelkit strategy: as Lightning moved us
             reference.to(device=weight.device, dtype=weight.dtype)
         return reference
-
-    def _has_adapters(self) -> bool:
-        return any(
-            hasattr(module, "lora_disabled") or getattr(module, "expert_adapters", None) for module in self.modules()
-        )
 
     def _check_preference_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
         if self.preference is None:
@@ -303,7 +308,7 @@ class PreferenceSteps:
         policy = SequenceScores(self(ids, positions), labels, cp_group)
         aux = self.auxiliary_loss()  # the policy's (a mixture of experts' load balancing), before the reference runs
         reference = None
-        source = self.preference.source(self._has_adapters())
+        source = reference_source(self)
         if source != "none":
             with torch.no_grad():
                 if source == "adapters":

@@ -248,6 +248,8 @@ def _estimate(share: _Share, hw: Hardware) -> Estimate:
     """The rank's memory, traffic and step time, from its share as the axes left it (`step_s`: this rank's)."""
     prof, spec, work, layers = share.prof, share.spec, share.work, share.layers
     param_bytes = sum(_in_bytes(layers, share.params, 4)) / share.shards
+    if prof.reference == "copy":  # preference tuning's frozen reference: the same shards, nothing else
+        param_bytes *= 2
     comm = {axis: share.comm[axis] for axis in sorted(share.comm, key=_listed)}
     tokens = work.micro_batch * work.seq_len * work.accumulate
     part = sum(layer.params for layer in layers) / max(prof.params, 1)
@@ -255,6 +257,8 @@ def _estimate(share: _Share, hw: Hardware) -> Estimate:
     # A recomputed unit's forward runs again in backward: a third more of its share of the stage's work.
     recomputed = sum(layer.params for layer in share.recomputed)
     compute *= 1 + recomputed / max(sum(layer.params for layer in layers), 1) / 3
+    if prof.reference in ("copy", "adapters"):  # the reference's forward: a third of a step's forward and backward
+        compute *= 4 / 3
     compute /= share.bubble
     seconds = compute + sum(b / (_bandwidth(spec, axis, hw) * 1e9) for axis, b in comm.items())
     grads = share.trained / share.shards * 4

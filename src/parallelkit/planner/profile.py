@@ -15,6 +15,7 @@ from parallelkit.errors import PlanError
 from parallelkit.lora import WHOLE_UNDER, LoRALinear, wants_nf4
 from parallelkit.lora_experts import unquantized_experts
 from parallelkit.memory import SavedTensorLedger, nbytes, nf4_bytes
+from parallelkit.models.preference import reference_source
 from parallelkit.muon import hidden_matrices
 from parallelkit.parallel.resolve import expand_tp, gathered_inside, resolve
 from parallelkit.planner.records import Layer, ModelProfile
@@ -213,4 +214,13 @@ def profile(
     fewest = min((module.num_experts for module in experts), default=0)
     counts = head_counts.values()
     fewest_heads = (min(q for q, _ in counts), min(kv for _, kv in counts)) if head_counts else None
-    return ModelProfile(plan.description, layers, loss_activations, flops_per_token, valid, fewest, fewest_heads)
+    return ModelProfile(
+        plan.description,
+        layers,
+        loss_activations,
+        flops_per_token,
+        valid,
+        fewest,
+        fewest_heads,
+        reference_source(model) if getattr(model, "preference", None) is not None else None,
+    )

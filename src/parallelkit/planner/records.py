@@ -143,6 +143,10 @@ class ModelProfile:
     attention_heads: tuple[int, int] | None = None
     """(query, key/value) heads of the attention modules context parallelism splits (the fewest of any), None for
     a model with none (no cp): Ulysses needs them divisible by cp x tp."""
+    reference: str | None = None
+    """Preference tuning's reference (`parallelkit.models.preference.reference_source`): "copy" holds the parameters
+    once more (no gradients, no optimizer state), "adapters" nothing, either one more forward a step; "none" (SimPO)
+    neither. None: not preference tuning. Preference tuning is not pipelined (no pipeline layout is planned)."""
 
     @property
     def params(self) -> int:
