@@ -344,7 +344,7 @@ class PreferenceSteps:
         for name, value in self._step_metrics.items():
             key = "train_loss" if name == "loss" else name
             shown = name in ("loss", "rewards/accuracies", "rewards/margins")
-            self.log(key, value, on_step=True, on_epoch=False, prog_bar=shown, rank_zero_only=True)
+            self.log(key, value, on_step=True, on_epoch=False, prog_bar=shown)  # the same on every rank
         return loss
 
     def on_before_optimizer_step(self, optimizer: Any) -> None:
@@ -356,7 +356,7 @@ class PreferenceSteps:
         from parallelkit.grad_norm import global_grad_norm
 
         norm = global_grad_norm([p.grad for p in self.parameters() if p.grad is not None])
-        self.log("grad_norm", norm, on_step=True, on_epoch=False, rank_zero_only=True)
+        self.log("grad_norm", norm, on_step=True, on_epoch=False)
 
     def preference_validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> None:
         loss, sums, pairs = self.preference_scores(batch)
@@ -374,7 +374,9 @@ class PreferenceSteps:
             return False
         self._val_metrics = None
         for name, value in zip(METRICS, totals[0] / totals[1]):
-            self.log(f"val_{name}", value, prog_bar=name in ("loss", "rewards/accuracies"), rank_zero_only=True)
+            # The same on every rank already: the mean over the group says so to Lightning, and changes nothing.
+            shown = name in ("loss", "rewards/accuracies")
+            self.log(f"val_{name}", value, prog_bar=shown, sync_dist=True, sync_dist_group=self.dp_group)
         return True
 
 
