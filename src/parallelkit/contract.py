@@ -129,6 +129,12 @@ completion token, else `IGNORE_INDEX`) and `position_ids` are (2B, S); `pair_ind
 split; `chosen_targets` the chosen completion tokens of the global micro-batch (every data-parallel rank's pairs)."""
 
 
+FROZEN_REFERENCE = "frozen_reference"
+"""The hook a strategy reads for preference tuning's frozen reference (`model.frozen_reference()`): an `nn.Module`
+whose module names are the model's, which the strategy parallelises as the model and fills with the model's values,
+never trained; None when the model wants no copy."""
+
+
 def is_preference_batch(batch: Any) -> bool:
     """Whether `batch` is a preference batch (`PREFERENCE_BATCH`)."""
     return isinstance(batch, Mapping) and "pair_index" in batch

@@ -42,7 +42,7 @@ HETEROGENEOUS_ADVICE = (
 @dataclass
 class Options:
     deadline: float = 60.0  # seconds a collective may take
-    join_deadline: float = 300.0  # seconds the ranks may take to start and meet
+    join_deadline: float = 300.0  # seconds the check waits for the next rank to join (from the last that did)
     sizes: tuple[int, ...] = (64 * 2**10, 2**20, 16 * 2**20)
     iters: int = 5
     allow_mixed: bool = False
@@ -72,11 +72,15 @@ class Board:
         self.where = where
         self.put(f"at/{self.rank}", {"step": self.step, "where": where})
 
-    def wait_for(self, prefix: str, seconds: float) -> list[int]:
-        """Wait up to `seconds` for every rank's `prefix/<rank>` key; returns the ranks still missing."""
-        end = time.monotonic() + seconds
+    def wait_for(self, prefix: str, seconds: float, restart: bool = False) -> list[int]:
+        """Wait up to `seconds` for every rank's `prefix/<rank>` key; returns the ranks still missing. `restart`: the
+        `seconds` count again from each new key, so that ranks still arriving keep the wait alive (how long a loaded
+        machine takes to start them all is not the question; a rank that is never coming is)."""
+        end, seen = time.monotonic() + seconds, 0
         while True:
             missing = [r for r in range(self.world) if r not in self.present(prefix)]
+            if restart and self.world - len(missing) > seen:
+                end, seen = time.monotonic() + seconds, self.world - len(missing)
             if not missing or time.monotonic() > end:
                 return missing
             time.sleep(0.05)
@@ -156,12 +160,13 @@ def check(
     board = Board(meet(*address, rank, world, options.join_deadline), rank, world, options.deadline)
     board.put(f"joined/{rank}", rank_report(rank, device))
     if rank == 0:
-        missing = board.wait_for("joined", options.join_deadline)
+        missing = board.wait_for("joined", options.join_deadline, restart=True)
         if missing:
             board.put("verdict", {"go": False})
             result.failures.append(
-                f"rank {_ranks(missing)} never joined: {world - len(missing)} of {world} ranks reached rank 0 within "
-                f"the deadline of {options.join_deadline:g} s (--join-deadline). Check that process started (its "
+                f"rank {_ranks(missing)} never joined: {world - len(missing)} of {world} ranks reached rank 0, and "
+                f"none more in the {options.join_deadline:g} s after the last (--join-deadline). Check that process "
+                "started (its "
                 "launcher's log: a crash at import, a node that never came up, a job step stuck in the queue) and can "
                 f"reach {address[0]}:{address[1]}."
             )

@@ -29,7 +29,10 @@ def check_command(argv: Sequence[str]) -> int:
     parser.add_argument("--config", required=True, help="the run's YAML, as for `fit`")
     parser.add_argument("--deadline", type=float, default=60.0, help="seconds a collective may take (default: 60)")
     parser.add_argument(
-        "--join-deadline", type=float, default=300.0, help="seconds the ranks may take to start and meet (default: 300)"
+        "--join-deadline",
+        type=float,
+        default=300.0,
+        help="seconds to wait for the next rank to join, counted again from each rank that does (default: 300)",
     )
     parser.add_argument("--sizes", default="64KiB,1MiB,16MiB", help="message sizes, comma-separated")
     parser.add_argument("--iters", type=int, default=5, help="timed repetitions of each collective")

@@ -1,11 +1,12 @@
 """Preference tuning (DPO, IPO, robust DPO, SimPO) as the steps of a language model, equal to TRL's.
 
-A preference batch (`parallelkit.data.preference.PREFERENCE_BATCH`) holds B pairs as 2B rows, chosen first. Each row's
+A preference batch (`parallelkit.contract.PREFERENCE_BATCH`) holds B pairs as 2B rows, chosen first. Each row's
 log-probability is the sum, over its completion tokens, of the policy's log-softmax at the target token: under loss
 parallelism the vocabulary-sharded logits give it without gathering them, and under context parallelism each cp rank
 sums its slice of the sequence and the sums are added across the cp ranks (an all-reduce that autograd goes back
 through). The reference's come from the model with its adapters off (LoRA, QLoRA: PEFT's and TRL's way, no second
-copy) or from a frozen copy of the policy that the strategy parallelises exactly as the policy (`FROZEN_REFERENCE`).
+copy) or from a frozen copy of the policy that the strategy parallelises exactly as the policy
+(`parallelkit.contract.FROZEN_REFERENCE`).
 
 The loss of a micro-batch is the mean over its pairs, as TRL's `DPOTrainer` computes it; every data-parallel rank holds
 as many pairs, so the gradient reduction's mean is the global batch's. What TRL logs is logged under its names, as the
@@ -34,10 +35,6 @@ LOSS_TYPES = ("sigmoid", "ipo", "robust", "simpo")
 REFERENCES = ("auto", "copy", "adapters", "none")
 """Where the reference log-probs come from: a frozen copy, the model with its adapters off, or none (SimPO). `auto`:
 adapters off when the model has adapters, else a copy; none for SimPO."""
-
-FROZEN_REFERENCE = "frozen_reference"
-"""The hook a strategy reads (`model.frozen_reference()`): an `nn.Module` whose module names are the model's, which
-the strategy parallelises as the model and fills with the model's values, never trained (None: no copy wanted)."""
 
 METRICS = (
     "loss",
@@ -268,8 +265,9 @@ class PreferenceSteps:
     preference: Preference | None = None
 
     def frozen_reference(self) -> nn.Module | None:
-        """The reference a strategy parallelises beside the model (`FROZEN_REFERENCE`): a copy of the network for
-        `reference: copy`, else None. A model whose network is a child (`self.model`) gives that child's copy."""
+        """The reference a strategy parallelises beside the model (`parallelkit.contract.FROZEN_REFERENCE`): a copy of
+        the network for `reference: copy`, else None; made once, from the network as it is at the first call (before
+        the model is parallelised, or trained)."""
         if reference_source(self) != "copy":
             return None
         if getattr(self, "_reference", None) is None:

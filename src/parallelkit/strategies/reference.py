@@ -1,6 +1,6 @@
 """The frozen reference of preference tuning, parallelised exactly as the model it is a copy of.
 
-A model that wants one (`parallelkit.models.preference.FROZEN_REFERENCE`: DPO without adapters) hands the strategy a
+A model that wants one (`parallelkit.contract.FROZEN_REFERENCE`: DPO without adapters) hands the strategy a
 copy of its network under its own module names before the model is parallelised. Once the model is parallelised and
 holds its starting values (pretrained or the seed's, before a checkpoint's are restored: the reference is the model as
 this training began, on a resume too), the copy gets the same plan (tensor, expert and context parallelism, FSDP
@@ -17,14 +17,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from parallelkit.compat import apply_to_tensors
+from parallelkit.contract import FROZEN_REFERENCE
 from parallelkit.errors import ConfigError
 from parallelkit.init import retie, tied_parameters
 
 
 def wanted_reference(module: Any) -> nn.Module | None:
     """The copy `module` asks for (`frozen_reference()`), or None; made before the module is parallelised."""
-    from parallelkit.models.preference import FROZEN_REFERENCE
-
     hook = getattr(module, FROZEN_REFERENCE, None)
     return hook() if callable(hook) else None
 
