@@ -24,7 +24,7 @@ from parallelkit.models.preference import METRICS
 
 DPO = "dpo.yaml"
 STEPS = 6
-LORA = "--model.init_args.lora={rank: 8, alpha: 16, targets: [q_proj, k_proj, v_proj, o_proj]}"
+LORA = "--model.init_args.lora={rank: 16, alpha: 32, targets: [q_proj, k_proj, v_proj, o_proj]}"  # the guide's
 TRL_VARIANTS = {
     "dpo": {},
     "lora": {"lora": True},
@@ -140,10 +140,10 @@ def test_one_process_equals_trl_dpo_trainer_per_step(runs, trl, variant):
 
 
 FSDP_TP = ("--data.init_args.batch_size=2",)  # the config's [[2, 2], ["fsdp", "tp"]]: 2 pairs x fsdp 2 = 4
+CHECKPOINT = checkpoint_every(Path("ckpt"), 3)
 LAYOUTS = {
     # the frozen reference sharded as the model: FSDP2 x tp with sequence and loss parallelism, meta_init
-    "fsdp2_tp2": ("dpo", (*FSDP_TP, *VALIDATE)),
-    "lora_fsdp2_tp2": ("lora", (*FSDP_TP, LORA)),
+    "fsdp2_tp2": ("dpo", (*FSDP_TP, *VALIDATE, CHECKPOINT)),  # also validates, and checkpoints at step 3
     "fsdp2_cp2_allgather": ("dpo", ('--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]', *FSDP_TP)),
     "fsdp2_cp2_ulysses": (
         "dpo",
@@ -219,7 +219,7 @@ def test_every_layout_equals_one_process_per_step(runs, layout):
 def test_a_resume_in_another_layout_continues_the_run(runs, tmp_path):
     """fsdp x tp's step-3 checkpoint resumed on fsdp 4: the reference is rebuilt from the pretrained weights (the run's
     start, not the checkpoint), and steps 3-5 equal the uninterrupted run's."""
-    straight = runs("fsdp2_tp2_checkpointed", *FSDP_TP, checkpoint_every(Path("ckpt"), 3))
+    straight = runs("fsdp2_tp2", *LAYOUTS["fsdp2_tp2"][1])
     ckpt = next(straight.rglob("epoch=0-step=3.ckpt"))
     resumed = runs(
         "resumed_fsdp4",
@@ -260,13 +260,12 @@ def test_validation_logs_trls_metrics_on_the_held_out_pairs_as_one_process(runs)
 SIMPO = ("--model.init_args.preference={loss_type: simpo, beta: 2.0, simpo_gamma: 0.5}",)
 
 
-def test_simpo_is_its_published_formula_and_equal_on_fsdp_x_tp(runs, sft_export, tmp_path):
+def test_simpo_is_its_published_formula(runs, sft_export, tmp_path):
     """SimPO (Meng et al. 2024, eq. 6; TRL's CPOTrainer with loss_type="simpo" and cpo_alpha=0 computes the same but
     tokenizes with its older pipeline): -log sigmoid(beta/|y_w| log pi(y_w|x) - beta/|y_l| log pi(y_l|x) - gamma), no
-    reference. Step 0's loss and rewards from transformers' own forward on the first global batch; every step of
-    fsdp x tp equal to one process."""
+    reference. Step 0's loss and rewards from transformers' own forward on the first global batch. (Its distribution
+    is DPO's without the reference: the layouts above.)"""
     one = logged(runs("one_simpo", *ONE, "--data.init_args.batch_size=4", *SIMPO))
-    assert_same_steps(one, logged(runs("simpo_fsdp2_tp2", *FSDP_TP, *SIMPO)))
     data = PreferenceDataModule(paths=str(sft_export.parent / "pairs.jsonl"), tokenizer=str(sft_export), batch_size=4)
     data.setup("fit")
     batch = next(iter(data.train_dataloader()))
@@ -353,31 +352,51 @@ def test_pipelines_refuse_preference_tuning_before_launch(tmp_path):
     assert "preference tuning (model.preference) under pipeline parallelism: not done yet" in refused.stderr
 
 
-def test_the_guides_command_tunes_an_sft_export_with_lora_and_exports_it(sft_export, tmp_path):
-    """docs/guides/preference.md's command on an SFT export and its pairs (4 steps on 4 processes), then its export:
-    a merged model transformers loads, whose logits moved from the SFT model's."""
-    place = {
-        "/data/Qwen2.5-0.5B-Instruct-sft": str(sft_export),
-        "/data/Qwen2.5-0.5B-Instruct-dpo": str(tmp_path / "export"),
-        "/data/pairs.jsonl": str(sft_export.parent / "pairs.jsonl"),
-    }
-    run = tmp_path / "run"
-    assert_ok(
-        fit_command(
-            parallelkit_args("dpo-from-sft", 0, **place),
-            run,
-            "--trainer.max_steps=4",
-            "--trainer.limit_val_batches=0",
-            "--trainer.callbacks.init_args.every_n_train_steps=4",  # the config's ModelCheckpoint
-            "--data.init_args.batch_size=2",
+@pytest.fixture(scope="module")
+def guide_run(tmp_path_factory: pytest.TempPathFactory, sft_export: Path) -> tuple[Path, dict[str, str]]:
+    """docs/guides/preference.md's command on the SFT export and its pairs, 6 steps on its 4 processes (LoRA on
+    fsdp x tp), then its export; made once: `(the run's directory, the guide's paths as placed)`."""
+
+    def make(directory: Path) -> None:
+        place = where(directory)
+        assert_ok(
+            fit_command(
+                parallelkit_args("dpo-from-sft", 0, **place),
+                directory,
+                f"--trainer.max_steps={STEPS}",
+                "--model.init_args.warmup_steps=2",
+                "--trainer.limit_val_batches=0",
+                f"--trainer.callbacks.init_args.every_n_train_steps={STEPS}",  # the config's ModelCheckpoint
+                *FSDP_TP,
+            )
         )
-    )
-    assert_ok(parallelkit(*parallelkit_args("dpo-from-sft", 1, **place), cwd=run))
+        assert_ok(parallelkit(*parallelkit_args("dpo-from-sft", 1, **place), cwd=directory))
+
+    def where(directory: Path) -> dict[str, str]:
+        return {
+            "/data/Qwen2.5-0.5B-Instruct-sft": str(sft_export),
+            "/data/Qwen2.5-0.5B-Instruct-dpo": str(directory / "export"),
+            "/data/pairs.jsonl": str(sft_export.parent / "pairs.jsonl"),
+        }
+
+    directory = made_once(tmp_path_factory, "preference-guide", make)
+    return directory, where(directory)
+
+
+def test_lora_on_fsdp_x_tp_equals_one_process_per_step(runs, guide_run):
+    """The guide's run (rank-16 adapters on the attention, the reference the base with its adapters off)."""
+    assert_same_steps(logged(runs("one_lora", *ONE_PROCESS["lora"])), logged(guide_run[0]))
+
+
+def test_the_guides_command_tunes_an_sft_export_with_lora_and_exports_it(sft_export, guide_run):
+    """The guide's export: a merged model transformers loads, with the tokenizer beside it, whose logits moved from
+    the SFT model's."""
+    export = Path(guide_run[1]["/data/Qwen2.5-0.5B-Instruct-dpo"])
     ids = torch.tensor([[258, *b"user\nWhat is 2 + 3?", 256, 10, 258, *b"assistant\n"]])
-    exported = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "export")).eval()
+    exported = transformers.AutoModelForCausalLM.from_pretrained(str(export)).eval()
     original = transformers.AutoModelForCausalLM.from_pretrained(str(sft_export)).eval()
     with torch.no_grad():
         logits = exported(ids).logits
         assert torch.isfinite(logits).all()
         assert (logits - original(ids).logits).abs().max() > 1e-4  # it trained
-    assert (tmp_path / "export" / "tokenizer.json").is_file()
+    assert (export / "tokenizer.json").is_file()

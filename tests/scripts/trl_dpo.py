@@ -28,7 +28,8 @@ from trl import DPOConfig, DPOTrainer
 from parallelkit.data.sampler import GlobalBatchSampler
 from parallelkit.models import HFCausalLM
 
-LORA = {"rank": 8, "alpha": 16, "dropout": 0.0, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+LORA = {"rank": 16, "alpha": 32, "dropout": 0.0, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
+"""docs/guides/preference.md's adapters."""
 
 
 def main() -> None:
@@ -80,7 +81,9 @@ def train(
         from parallelkit.lora_experts import peft_names
 
         base = AutoModelForCausalLM.from_pretrained(args.pretrained, attn_implementation="sdpa")
-        model = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=LORA["targets"]))
+        model = get_peft_model(
+            base, LoraConfig(r=LORA["rank"], lora_alpha=LORA["alpha"], lora_dropout=0.0, target_modules=LORA["targets"])
+        )
         adapters = {k: v.detach().clone() for k, v in ours.model.named_parameters() if is_adapter(k)}
         values = {
             f"base_model.model.{k.removesuffix('.weight')}.default.weight": v
