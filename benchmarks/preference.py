@@ -5,10 +5,12 @@ parallelkit's references costs.
     python benchmarks/preference.py --rounds 3 --steps 20
 
 (a) `parallelkit`: `HFCausalLM(pretrained, preference=Preference())` on `[[2, 2], ["fsdp", "tp"]]` (sequence and loss
-parallelism), the reference a frozen copy sharded as the model, `data.batch_size` pairs per process.
+parallelism), the reference a frozen copy sharded as the model, `batch_size` pairs per process; and on `[[4, 1]]`
+(TRL's layout), half as many.
 (b) `trl`: TRL's `DPOTrainer` with Accelerate's FSDP2 (`fsdp_version=2`, each decoder layer a unit, the reference model
 prepared by TRL as FSDP2 too) on the same 4 processes: data parallel 4 (TRL has no tensor parallelism), half the pairs
-per process, so both train `2 x batch_size` pairs a step. fp32, no clipping. On CPU Accelerate would wrap the model in
+per process, so both train `2 x batch_size` pairs a step. fp32, no clipping, no activation checkpointing (TRL's
+default is on). On CPU Accelerate would wrap the model in
 DDP and ignore the plugin; the trainer is told it is FSDP, as benchmarks/hf.py does for its Accelerate loop.
 Each variant is its own torchrun job (peak memory is per process), the variants take turns for `--rounds`; the first
 `--warmup` steps of each job are dropped. Per variant: the median step time, tokens per second (the pairs' real tokens,
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import statistics
 import sys
@@ -74,10 +77,13 @@ class Tokens(L.Callback):
         self.count += int(batch["input_ids"].ne(self.pad_id).sum())
 
 
-def run_parallelkit(args: argparse.Namespace, reference: str) -> dict[str, Any]:
+MESHES = {"2x2": [[2, 2], ["fsdp", "tp"]], "fsdp4": [[4, 1], ["fsdp", "tp"]]}
+
+
+def run_parallelkit(args: argparse.Namespace, reference: str, mesh: str) -> dict[str, Any]:
     options = REFERENCES[reference]
     L.seed_everything(0, verbose=False)
-    strategy = FSDPTPStrategy(mesh_shape=[[2, 2], ["fsdp", "tp"]])
+    strategy = FSDPTPStrategy(mesh_shape=MESHES[mesh])
     clock = StepClock()
     model = HFCausalLM(
         pretrained=args.pretrained,
@@ -86,7 +92,8 @@ def run_parallelkit(args: argparse.Namespace, reference: str) -> dict[str, Any]:
         preference=options.get("preference", {}),
         lora=options.get("lora"),
     )
-    data = PreferenceDataModule(tokenizer=args.pretrained, batch_size=args.batch_size, val_fraction=0.0)
+    pairs = args.batch_size * 2 // MESHES[mesh][0][0]  # every layout trains 2 x batch_size pairs a step (fsdp x tp)
+    data = PreferenceDataModule(tokenizer=args.pretrained, batch_size=pairs, val_fraction=0.0)
     data.setup("fit")
     tokens = Tokens(data._pad_id)
     trainer = quiet_trainer(strategy, args.warmup + args.steps, [clock, tokens])
@@ -160,6 +167,7 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
         use_cpu=not torch.cuda.is_available(),
         save_strategy="no",
         bf16=False,
+        gradient_checkpointing=False,  # TRL's default recomputes every layer; (a) recomputes none
         seed=0,
     )
     pairs = [record for _, record in builtin_pairs()]
@@ -177,12 +185,18 @@ def run_trl(args: argparse.Namespace) -> dict[str, Any]:
 
 def worker(args: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    result = run_trl(args) if args.variant == "trl" else run_parallelkit(args, args.variant.split(":")[-1])
+    result = run_trl(args) if args.variant == "trl" else run_parallelkit(args, *args.variant.split(":")[1:])
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, result)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(gathered))
+    dist.barrier()
     dist.destroy_process_group()
+    # Measured and written: leave without the interpreter's teardown, where a worker thread left by the run
+    # occasionally aborts the process ("terminate called without an active exception") after the work is done.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def make_model(directory: Path, args: argparse.Namespace) -> None:
@@ -241,23 +255,26 @@ def main() -> None:
         make_model(Path(args.pretrained), args)
         passed = forward(args, ["steps", "warmup", "batch_size", "pretrained"])
         runs: dict[str, list[list[dict[str, Any]]]] = {}
-        order = ["parallelkit:copy", "trl"]
+        order = ["parallelkit:copy:2x2", "trl", "parallelkit:copy:fsdp4"]
         for round_ in range(args.rounds):
             for variant in order if round_ % 2 == 0 else order[::-1]:
                 out = Path(tmp) / f"{variant.replace(':', '-')}-{round_}.json"
                 launch(__file__, 4, [*passed, f"--variant={variant}"], out)
                 runs.setdefault(variant, []).append(json.loads(out.read_text()))
-        for variant in ("parallelkit:adapters", "parallelkit:none"):
+        for variant in ("parallelkit:adapters:2x2", "parallelkit:none:2x2"):
             out = Path(tmp) / f"{variant.replace(':', '-')}.json"
             launch(__file__, 4, [*passed, f"--variant={variant}"], out)
             runs[variant] = [json.loads(out.read_text())]
     result: dict[str, Any] = {"machine": machine(), "args": {k: v for k, v in vars(args).items() if k != "out"}}
     for variant, jobs in runs.items():
         result[variant] = summary(jobs, args.warmup + args.steps)
-    a, b = result["parallelkit:copy"], result["trl"]
+    trl = result["trl"]
     result["ratios"] = {
-        "tokens_per_s parallelkit/trl": a["tokens_per_s"] / b["tokens_per_s"],
-        "peak_mb rank 0 parallelkit/trl": a["peak_mb_per_rank"][0] / b["peak_mb_per_rank"][0],
+        f"{mesh} / trl": {
+            "tokens_per_s": result[f"parallelkit:copy:{mesh}"]["tokens_per_s"] / trl["tokens_per_s"],
+            "peak_mb_rank0": result[f"parallelkit:copy:{mesh}"]["peak_mb_per_rank"][0] / trl["peak_mb_per_rank"][0],
+        }
+        for mesh in MESHES
     }
     print(json.dumps(result, indent=2))
     print(f"wrote {write('preference', result)}")

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from parallelkit.compat import apply_to_tensors
@@ -47,4 +48,6 @@ def build_reference(strategy: Any, reference: nn.Module, parallelize: Any) -> No
             local.copy_(source.to_local() if isinstance(source, DTensor) else source)
     reference.requires_grad_(False)
     reference.eval()
+    if isinstance(reference, FSDPModule):  # forward only: the root too gives back its gathered parameters after it
+        reference.set_reshard_after_forward(True)
     strategy.precision_plugin.convert_module(reference)
