@@ -149,6 +149,7 @@ LAYOUTS = {
         "dpo",
         ('--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]', "--trainer.strategy.cp_method=ulysses", *FSDP_TP),
     ),
+    "lightning_ddp2": ("dpo", ("--trainer.strategy=ddp", "--trainer.devices=2", *FSDP_TP)),  # a whole copy per rank
     "fsdp2_accumulate2_rpo": (
         "rpo_accumulated",
         (
