@@ -29,6 +29,7 @@ TRL_VARIANTS = {
     "dpo": {},
     "lora": {"lora": True},
     "ipo": {"loss_type": "ipo"},
+    "robust": {"loss_type": "robust", "label_smoothing": 0.2},
     "rpo_accumulated": {"batch_size": 2, "accumulate": 2, "rpo_alpha": 0.5},
 }
 LOGGED = ("train_loss", *METRICS[1:], "grad_norm")
@@ -123,6 +124,11 @@ ONE_PROCESS = {
     "dpo": (*ONE, "--data.init_args.batch_size=4", *VALIDATE),
     "lora": (*ONE, "--data.init_args.batch_size=4", LORA),
     "ipo": (*ONE, "--data.init_args.batch_size=4", "--model.init_args.preference.loss_type=ipo"),
+    "robust": (
+        *ONE,
+        "--data.init_args.batch_size=4",
+        "--model.init_args.preference={loss_type: robust, label_smoothing: 0.2}",
+    ),
     "rpo_accumulated": (
         *ONE,
         "--data.init_args.batch_size=2",
@@ -134,8 +140,8 @@ ONE_PROCESS = {
 
 @pytest.mark.parametrize("variant", list(TRL_VARIANTS))
 def test_one_process_equals_trl_dpo_trainer_per_step(runs, trl, variant):
-    """Full fine-tuning against a frozen copy, LoRA against the adapters switched off (TRL's PEFT path), IPO, and the
-    NLL term with gradient accumulation: TRL's loss and every metric it logs, each step."""
+    """Full fine-tuning against a frozen copy, LoRA against the adapters switched off (TRL's PEFT path), IPO, robust DPO
+    (label smoothing) and the NLL term with gradient accumulation: TRL's loss and every metric it logs, each step."""
     assert_same_steps(as_trl(trl[variant]), logged(runs(f"one_{variant}", *ONE_PROCESS[variant])))
 
 

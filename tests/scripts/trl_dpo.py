@@ -58,6 +58,7 @@ def train(
     beta: float = 0.1,
     loss_type: str = "sigmoid",
     rpo_alpha: float | None = None,
+    label_smoothing: float = 0.0,
     lora: bool = False,
 ) -> list[dict[str, float]]:
     """One TRL run: per step, its logged metrics and its loss."""
@@ -126,6 +127,7 @@ def train(
         max_grad_norm=0.0,
         max_length=args.max_length,
         beta=beta,
+        label_smoothing=label_smoothing,
         loss_type=[loss_type] if rpo_alpha is None else [loss_type, "sft"],
         loss_weights=None if rpo_alpha is None else [1.0, rpo_alpha],
         report_to=[],
