@@ -501,8 +501,8 @@ def test_muon_keeps_one_state_per_matrix_element_and_adds_its_exchange_to_the_tr
 def test_preference_tunings_reference_is_counted_a_frozen_copy_as_parameters_and_adapters_off_as_nothing():
     """DPO on a Llama of configs/dpo.yaml's sizes, [[2, 2]]: a frozen copy adds the model's parameter shards and
     nothing else (no gradients, no optimizer state); with LoRA the reference is the base with its adapters off, no
-    memory at all; either reference runs one more forward (a third of the step's compute). No pipeline layout is
-    planned for it (pipelines refuse preference tuning)."""
+    memory at all; either reference runs one more forward (a third of the step's compute). Pipeline layouts are
+    planned for the adapters' reference only (pipelines refuse the frozen copy)."""
     from parallelkit.models import HFCausalLM
     from parallelkit.models.preference import Preference
 
@@ -530,5 +530,7 @@ def test_preference_tunings_reference_is_counted_a_frozen_copy_as_parameters_and
     assert plans["adapters"].state == plans["lora"].state
     for dpo, sft in (("copy", "sft"), ("adapters", "lora")):
         assert plans[dpo].step_s > plans[sft].step_s
-    pipelined = {spec.size("pp") for spec, _ in candidates(profile(models["sft"], 64), hw, work)}
-    assert pipelined > {1} and {spec.size("pp") for spec, _ in candidates(profile(models["copy"], 64), hw, work)} == {1}
+    pipelined = {
+        name: {spec.size("pp") for spec, _ in candidates(profile(models[name], 64), hw, work)} for name in plans
+    }
+    assert pipelined["sft"] == pipelined["adapters"] > {1} and pipelined["copy"] == {1}

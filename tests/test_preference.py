@@ -155,6 +155,18 @@ LAYOUTS = {
         "dpo",
         ('--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]', "--trainer.strategy.cp_method=ulysses", *FSDP_TP),
     ),
+    # each of the 2 microbatches holds whole pairs; the reference pass (adapters off) runs the schedule forward first
+    "lora_1f1b_pp2_fsdp2": (
+        "lora",
+        (
+            "--trainer.strategy=parallelkit.PipelineStrategy",
+            '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "fsdp"]]',
+            "--trainer.strategy.schedule=1f1b",
+            "--trainer.strategy.microbatches=2",
+            *FSDP_TP,
+            LORA,
+        ),
+    ),
     "lightning_ddp2": ("dpo", ("--trainer.strategy=ddp", "--trainer.devices=2", *FSDP_TP)),  # a whole copy per rank
     "fsdp2_accumulate2_rpo": (
         "rpo_accumulated",
@@ -353,10 +365,14 @@ def test_every_bad_pair_is_named_in_one_refusal_before_launch(tmp_path):
     assert output.count("cannot be trained on") == 1 and "Traceback" not in output
 
 
-def test_pipelines_refuse_preference_tuning_before_launch(tmp_path):
+def test_pipelines_refuse_a_frozen_reference_before_launch(tmp_path):
+    """Full fine-tuning under pipelines would need the frozen copy's stages beside the model's: refused, with LoRA
+    (whose reference is the base with its adapters off) as the fix."""
     refused = fit(DPO, tmp_path, "--trainer.strategy=1f1b", "--trainer.devices=2")
     assert refused.returncode != 0
-    assert "preference tuning (model.preference) under pipeline parallelism: not done yet" in refused.stderr
+    message = " ".join(refused.stderr.split())
+    assert "under pipeline parallelism with a frozen reference (model.preference.reference: copy" in message
+    assert "Fix: LoRA" in message and "Traceback" not in refused.stderr
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from typing_extensions import override
 
 from parallelkit.contract import IGNORE_INDEX, is_preference_batch, token_share
 from parallelkit.mesh import reduction_size, token_group
-from parallelkit.models.preference import PreferenceSteps
+from parallelkit.models.preference_steps import PreferenceSteps
 
 Batch = tuple[torch.Tensor, torch.Tensor] | Mapping[str, torch.Tensor]
 """`(inputs, targets)`: token ids, and the next token of each (what the pretraining datamodules yield); or a token

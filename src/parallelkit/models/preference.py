@@ -1,4 +1,5 @@
-"""Preference tuning (DPO, IPO, robust DPO, SimPO) as the steps of a language model, equal to TRL's.
+"""Preference tuning's options and loss (DPO, IPO, robust DPO, SimPO), equal to TRL's; the steps that run them are
+`preference_steps`.
 
 A preference batch (`parallelkit.contract.PREFERENCE_BATCH`) holds B pairs as 2B rows, chosen first. Each row's
 log-probability is the sum, over its completion tokens, of the policy's log-softmax at the target token: under loss
@@ -179,8 +180,8 @@ class SequenceScores:
                 means = _local(logits.detach().float().mean(-1))
                 sums.append(torch.where(targets, means, 0.0).sum(-1))
         if cp_group is not None:  # each cp rank holds a slice of every sequence: the rows' sums are added up
-            sums = [dist.nn.functional.all_reduce(sums[0], group=cp_group)] + [_summed(s, cp_group) for s in sums[1:]]
-            counts = _summed(counts, cp_group)
+            sums = [dist.nn.functional.all_reduce(sums[0], group=cp_group)] + [summed(s, cp_group) for s in sums[1:]]
+            counts = summed(counts, cp_group)
         self.logps, self.counts = sums[0], counts
         self.logit_sums = sums[1] if with_logits else None
 
@@ -191,7 +192,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
-def _summed(tensor: torch.Tensor, group: Any) -> torch.Tensor:
+def summed(tensor: torch.Tensor, group: Any) -> torch.Tensor:
     tensor = tensor.clone()
     dist.all_reduce(tensor, group=group)
     return tensor
@@ -258,160 +259,8 @@ def metric_values(sums: torch.Tensor, pairs: int) -> dict[str, torch.Tensor]:
     return values
 
 
-class PreferenceSteps:
-    """The training and validation steps of a language model on preference batches (the module's docstring). Mixed
-    into `CausalLM`; a model with `preference` set (an `HFCausalLM` argument) trains on `PreferenceDataModule`."""
+class GivenLogps:
+    """Reference log-probs handed in whole (a pipeline's reference pass), as `preference_loss` reads them."""
 
-    preference: Preference | None = None
-
-    def frozen_reference(self) -> nn.Module | None:
-        """The reference a strategy parallelises beside the model (`parallelkit.contract.FROZEN_REFERENCE`): a copy of
-        the network for `reference: copy`, else None; made once, from the network as it is at the first call (before
-        the model is parallelised, or trained)."""
-        if reference_source(self) != "copy":
-            return None
-        if getattr(self, "_reference", None) is None:
-            self._reference = [FrozenCopy(self)]  # in a list: not a submodule (no state dict, no optimizer)
-        reference = self._reference[0]
-        weight = next(self.model.parameters())
-        if not isinstance(weight, DTensor) and not weight.is_meta:  # no parallelkit strategy: as Lightning moved us
-            reference.to(device=weight.device, dtype=weight.dtype)
-        return reference
-
-    def _check_preference_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
-        if self.preference is None:
-            raise ConfigError(
-                f"{type(self).__name__} got a preference batch (chosen and rejected rows) but has no model.preference. "
-                "Fix: set model.init_args.preference (e.g. {beta: 0.1}), as configs/dpo.yaml does."
-            )
-
-    def _cp_group(self) -> Any:
-        spec = getattr(self.trainer.strategy, "mesh_spec", None)
-        return self.trainer.strategy.device_mesh["cp"].get_group() if spec is not None and spec.cp_size > 1 else None
-
-    def _data_parallel(self) -> tuple[int, Any]:
-        """The number of ranks holding different pairs, and the group over which a batch's sums are added (the
-        data-parallel ranks, with the cp ranks: those hold parts of the same rows)."""
-        from parallelkit.mesh import reduction_size
-
-        spec = getattr(self.trainer.strategy, "mesh_spec", None)
-        cp = spec.cp_size if spec is not None else 1
-        return reduction_size(self.trainer.strategy) // cp, self.dp_group
-
-    def preference_scores(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """`(per-pair loss, metric sums of this rank, the policy's scores)` of a preference batch."""
-        self._check_preference_batch(batch)
-        ids, positions, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
-        cp_group = self._cp_group()
-        policy = SequenceScores(self(ids, positions), labels, cp_group)
-        aux = self.auxiliary_loss()  # the policy's (a mixture of experts' load balancing), before the reference runs
-        reference = None
-        source = reference_source(self)
-        if source != "none":
-            with torch.no_grad():
-                if source == "adapters":
-                    with adapters_disabled(self):
-                        logits = self(ids, positions)
-                    self.auxiliary_loss()  # the reference's, dropped
-                else:
-                    logits = self.frozen_reference()(ids, positions)
-                reference = SequenceScores(logits, labels, cp_group, with_logits=False)
-        losses, chosen, rejected = preference_loss(self.preference, policy, reference)
-        pairs = losses.shape[0]
-        loss = losses.mean()
-        if self.preference.rpo_alpha:
-            replicas, _ = self._data_parallel()
-            # TRL's NLL term: a token mean over the global micro-batch's chosen completions, whatever the layout.
-            nll = -policy.logps.chunk(2)[0].sum() * replicas / batch["chosen_targets"].clamp(min=1)
-            loss = loss + self.preference.rpo_alpha * nll
-        loss = loss + aux
-        sums = metric_sums(loss, policy, (chosen, rejected), pairs)
-        cp = 1 if cp_group is None else dist.get_world_size(cp_group)
-        sums[:PAIR_SUMS] /= cp  # every cp rank holds the same pairs' values; the token sums are its own slice's
-        return loss, sums, pairs
-
-    def preference_training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        loss, sums, pairs = self.preference_scores(batch)
-        replicas, group = self._data_parallel()
-        values = metric_values(_global(sums, group), pairs * replicas)
-        accumulate = self.trainer.accumulate_grad_batches
-        if batch_idx % accumulate == 0:
-            self._step_metrics = {name: torch.zeros_like(value) for name, value in values.items()}
-        for name, value in values.items():  # TRL averages an optimizer step's micro-batches
-            self._step_metrics[name] = self._step_metrics[name] + value / accumulate
-        for name, value in self._step_metrics.items():
-            key = "train_loss" if name == "loss" else name
-            shown = name in ("loss", "rewards/accuracies", "rewards/margins")
-            self.log(key, value, on_step=True, on_epoch=False, prog_bar=shown)  # the same on every rank
-        return loss
-
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        """Log `grad_norm` under preference tuning, as TRL does each step: the norm of the whole gradient the optimizer
-        is about to apply (before clipping), whatever the layout."""
-        super().on_before_optimizer_step(optimizer)
-        if self.preference is None:
-            return
-        from parallelkit.grad_norm import global_grad_norm
-
-        norm = global_grad_norm([p.grad for p in self.parameters() if p.grad is not None])
-        self.log("grad_norm", norm, on_step=True, on_epoch=False)
-
-    def preference_validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> None:
-        loss, sums, pairs = self.preference_scores(batch)
-        replicas, group = self._data_parallel()
-        values = torch.stack(list(metric_values(_global(sums, group), pairs * replicas).values()))
-        if batch_idx == 0 or getattr(self, "_val_metrics", None) is None:
-            self._val_metrics = [torch.zeros_like(values), 0]
-        self._val_metrics[0] = self._val_metrics[0] + values
-        self._val_metrics[1] += 1
-
-    def log_preference_validation(self) -> bool:
-        """Log `val_<metric>`: the mean over the validation's batches (as TRL's evaluation); False if none ran."""
-        totals = getattr(self, "_val_metrics", None)
-        if totals is None:
-            return False
-        self._val_metrics = None
-        for name, value in zip(METRICS, totals[0] / totals[1]):
-            # The same on every rank already: the mean over the group says so to Lightning, and changes nothing.
-            shown = name in ("loss", "rewards/accuracies")
-            self.log(f"val_{name}", value, prog_bar=shown, sync_dist=True, sync_dist_group=self.dp_group)
-        return True
-
-
-def _global(sums: torch.Tensor, group: Any) -> torch.Tensor:
-    """`sums` added over `group` (every data-parallel rank's, and cp's slices), detached."""
-    if not dist.is_available() or not dist.is_initialized():
-        return sums.detach()
-    return _summed(sums.detach(), group)
-
-
-class FrozenCopy(nn.Module):
-    """The reference network: a copy of a model's network (its `self.model`, a transformers causal LM) under the
-    model's own module names, never trained. The strategy parallelises it like the model and gives it the model's
-    values; without a parallelkit strategy it is the model's network as it starts training."""
-
-    def __init__(self, model: nn.Module) -> None:
-        super().__init__()
-        import copy
-
-        network = getattr(model, "model", None)
-        if not isinstance(network, nn.Module):
-            raise ConfigError(
-                f"{type(model).__name__}: reference: copy copies the network the model holds as `self.model`, and it "
-                "holds none. Fix: train with LoRA (reference: adapters), or hold the network as self.model."
-            )
-        self.model = copy.deepcopy(network)
-        self.model.requires_grad_(False)
-        self._route = getattr(type(model), "route_attention", None)  # it reads only `self.model`
-        self.eval()
-
-    def route_attention(self) -> None:
-        """Context parallelism's attention for the copy's attention modules, as the model routes its own
-        (`parallelkit.contract.ATTENTION_HOOK`)."""
-        if self._route is None:
-            raise ConfigError("the frozen reference's model routes no attention for context parallelism.")
-        self._route(self)
-
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-        output = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-        return getattr(output, "logits", output)
+    def __init__(self, logps: torch.Tensor | None) -> None:
+        self.logps = logps

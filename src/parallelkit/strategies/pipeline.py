@@ -18,8 +18,6 @@ once per optimizer step, as `fsdp_tp` does.
 
 from __future__ import annotations
 
-import functools
-import time
 from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any, Literal
@@ -33,12 +31,14 @@ from torch.distributed.pipelining import PipelineStage
 from typing_extensions import override
 
 from parallelkit.compat import quiet_root_view_warning, skip_loop_backward
-from parallelkit.contract import token_share
+from parallelkit.contract import is_preference_batch, token_share
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.mesh import reduction_size, token_group
 from parallelkit.parallel import ResolvedPlan, parallelize, resolve
 from parallelkit.parallel.schedule import Schedule
 from parallelkit.strategies.base import MeshShape, ParallelkitStrategy
+from parallelkit.strategies.pipeline_pairs import PipelinePairs
+from parallelkit.strategies.stage_clock import StageClock
 
 
 class PipelineStrategy(ParallelkitStrategy):
@@ -91,7 +91,8 @@ class PipelineStrategy(ParallelkitStrategy):
         self._microbatches = microbatches
         self.split_points = split_points
         self.schedule_stats = schedule_stats
-        self._clock: _StageClock | None = None
+        self._clock: StageClock | None = None
+        self._pairs = PipelinePairs(self)  # preference batches: idle until one comes
         self._schedule: Any = None
         self._stages: list[_Stage] = []
         self._loss_scale = 1.0
@@ -170,7 +171,7 @@ class PipelineStrategy(ParallelkitStrategy):
             scale_grads=False,
         )
         if self.schedule_stats:
-            self._clock = _StageClock(pipeline_stages, self.root_device)
+            self._clock = StageClock(pipeline_stages, self.root_device)
         self._has_first = any(stage.is_first for stage in pipeline_stages)
         self._has_last = any(stage.is_last for stage in pipeline_stages)
         self._pp_group = pp_mesh.get_group()
@@ -209,10 +210,7 @@ class PipelineStrategy(ParallelkitStrategy):
                 "or use strategy='fsdp_tp'."
             )
         if getattr(model, "preference", None) is not None:
-            raise ConfigError(
-                "preference tuning (model.preference) under pipeline parallelism: not done yet (the last stage would "
-                "need each pair's two sequences and their reference log-probs). Fix: fsdp x tp, as configs/dpo.yaml."
-            )
+            PipelinePairs(self).check(model)
         resolved = resolve(
             model,
             tp=self.mesh_spec.size("tp"),
@@ -232,6 +230,8 @@ class PipelineStrategy(ParallelkitStrategy):
         return resolved
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if self._pairs.mode is not None:  # a preference batch's microbatch
+            return self._pairs.loss(output, target)
         auxiliary = self.resolved.plan.auxiliary_loss
         extra = auxiliary() if auxiliary is not None else 0.0  # taken from every forward, added in training
         if self._predicting:  # torch's schedules compute a loss on the last stage whatever the step is for
@@ -330,6 +330,10 @@ class PipelineStrategy(ParallelkitStrategy):
             # The loop's zero_grad would run after this step and erase the schedule's gradients; it is done here.
             for optimizer in trainer.optimizers:
                 module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
+        if is_preference_batch(batch):
+            sums, pairs = self._pairs.run(batch, train=True)
+            module.log_preference_step(sums, pairs, batch_idx)
+            return sums[0] / pairs
         loss = self._run(batch, train=True)
         if isinstance(batch, Mapping):
             module.log_step_share(loss, batch_idx, trainer.accumulate_grad_batches)
@@ -339,6 +343,9 @@ class PipelineStrategy(ParallelkitStrategy):
 
     @override
     def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
+        if is_preference_batch(batch):
+            self.lightning_module.add_preference_validation(*self._pairs.run(batch, train=False), batch_idx)
+            return
         loss = self._run(batch, train=False)
         weight = {}
         if isinstance(batch, Mapping):
@@ -404,43 +411,3 @@ class _Stage(PipelineStage):
     def set_local_bwd_input(self, next_stage_bwd_outputs: tuple[torch.Tensor | None, ...], mb_index: int) -> None:
         if self.has_backward:
             super().set_local_bwd_input(next_stage_bwd_outputs, mb_index)
-
-
-class _StageClock:
-    """Time this rank's pipeline stages spend computing forward and backward chunks within one schedule step.
-
-    Everything else in the step (waiting for a neighbour's activations or gradients, or for nothing at all)
-    is the bubble.
-    """
-
-    ACTIONS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
-
-    def __init__(self, stages: list[Any], device: torch.device) -> None:
-        self._sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-        self._busy = 0.0
-        self._start = 0.0
-        for stage in stages:
-            for action in self.ACTIONS:
-                setattr(stage, action, self._timed(getattr(stage, action)))
-
-    def _timed(self, action: Any) -> Any:
-        @functools.wraps(action)
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            self._sync()
-            begin = time.perf_counter()
-            try:
-                return action(*args, **kwargs)
-            finally:
-                self._sync()
-                self._busy += time.perf_counter() - begin
-
-        return timed
-
-    def start(self) -> None:
-        self._sync()
-        self._busy, self._start = 0.0, time.perf_counter()
-
-    def stop(self) -> tuple[float, float]:
-        """(busy seconds, step seconds) since `start`."""
-        self._sync()
-        return self._busy, time.perf_counter() - self._start

@@ -1,0 +1,135 @@
+"""Preference pairs through a pipeline schedule: every microbatch whole pairs, the reference's pass first.
+
+The batch's rows are reordered so that each of the schedule's microbatches holds whole pairs (its chosen rows, then
+the same pairs' rejected rows: a preference batch of its own). With a reference (the model with its adapters off), a
+forward-only pass of the schedule runs first, and the last stage keeps each microbatch's reference log-probs; then the
+training (or validation) pass, whose loss on the last stage is the microbatch's preference loss (the model's
+`microbatch_loss`), scaled as the strategy scales a loss (the microbatches' mean, over accumulation). The last stage's
+metric sums are broadcast to the other stages, which log them as it does.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallelkit.contract import IGNORE_INDEX
+from parallelkit.errors import ConfigError
+
+ROWS = ("input_ids", "labels", "position_ids")
+"""A preference batch's per-row tensors (the rest are per pair or per batch)."""
+
+
+def whole_pairs(batch: dict[str, torch.Tensor], microbatches: int, length: int) -> dict[str, torch.Tensor]:
+    """`batch` with its rows in the order that gives each of `microbatches` equal chunks whole pairs, right-padded to
+    `length` tokens: the stages exchange activations of the shape they were built for, every batch alike."""
+    pairs = batch["pair_index"].shape[0]
+    if pairs % microbatches:
+        raise ConfigError(
+            f"a preference batch of {pairs} pairs (data.batch_size) under a pipeline of {microbatches} microbatches: "
+            "each microbatch holds whole pairs, so the microbatches must divide the pairs. Fix: "
+            f"--data.init_args.batch_size={microbatches * max(pairs // microbatches, 1)}, or "
+            "--trainer.strategy.microbatches to a divisor of it."
+        )
+    size = pairs // microbatches
+    order = torch.cat(
+        [
+            torch.cat([torch.arange(j * size, (j + 1) * size), pairs + torch.arange(j * size, (j + 1) * size)])
+            for j in range(microbatches)
+        ]
+    )
+    batch = {key: value[order.to(value.device)] if key in ROWS else value for key, value in batch.items()}
+    rows, have = batch["input_ids"].shape
+    if have > length:
+        raise ConfigError(f"a preference batch of {have} tokens a row is longer than data.max_length={length}.")
+    fill = {"input_ids": 0, "labels": IGNORE_INDEX}  # never a target, and after every real token of the row
+    for key, value in fill.items():
+        batch[key] = torch.nn.functional.pad(batch[key], (0, length - have), value=value)
+    batch["position_ids"] = torch.arange(length, device=inputs_device(batch)).expand(rows, length).contiguous()
+    return batch
+
+
+def inputs_device(batch: dict[str, torch.Tensor]) -> torch.device:
+    return batch["input_ids"].device
+
+
+class PipelinePairs:
+    """The preference steps of a `PipelineStrategy` (the module's docstring); `mode` is set while a pass runs, and the
+    strategy's loss function then hands each microbatch to `loss`."""
+
+    def __init__(self, strategy: Any) -> None:
+        self.strategy = strategy
+        self.mode: str | None = None
+        self.references: dict[int, torch.Tensor] = {}
+        self.sums: dict[int, torch.Tensor] = {}
+        self.first = (0, 1)  # the batch's targets: where they start, and one microbatch's bytes
+        self.chosen_targets: torch.Tensor | None = None
+
+    def check(self, module: Any) -> None:
+        """Refuse, before launch, what the pipeline cannot do with `module`'s preference tuning."""
+        module.pipeline_reference()  # a frozen copy is refused there
+        if self.strategy.mesh_spec.cp_size > 1:
+            raise ConfigError(
+                "preference tuning under pipelines with a cp axis: not done yet. Fix: pp without cp, or cp without pp."
+            )
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        module = self.strategy.lightning_module
+        # Which microbatch: its targets are a view of the batch's. Not the order of the calls: torch's stage also
+        # calls the loss once while it infers its backward's shapes, on a copy of the first microbatch's.
+        index = (target.data_ptr() - self.first[0]) // self.first[1]
+        if self.mode == "reference":
+            self.references[index] = module.microbatch_reference(output, target)
+            return output.new_zeros(())
+        reference = self.references.get(index)
+        loss, sums = module.microbatch_loss(output, target, reference, self.chosen_targets, self.strategy.microbatches)
+        self.sums[index] = sums
+        return loss * self.strategy._loss_scale
+
+    def run(self, batch: dict[str, torch.Tensor], train: bool) -> tuple[torch.Tensor, int]:
+        """One step over `batch`'s pairs: `(this rank's metric sums, the pairs)`, the same on every stage."""
+        strategy, module = self.strategy, self.strategy.lightning_module
+        if strategy.resolved.plan.auxiliary_loss is not None:
+            raise ConfigError(
+                "preference tuning under pipelines with a router's load-balancing loss (output_router_logits): not "
+                "done yet. Fix: output_router_logits: false, or train without pp."
+            )
+        length = getattr(getattr(module.trainer, "datamodule", None), "seq_len", None)
+        if length is None:
+            raise ConfigError(
+                "preference tuning under pipelines needs the pairs' max_length to give every batch one shape: train "
+                "on a parallelkit.data.PreferenceDataModule (trainer.fit(model, datamodule=...))."
+            )
+        batch = whole_pairs(batch, strategy.microbatches, length)
+        inputs, target = batch["input_ids"], batch["labels"]
+        args = strategy._first_stage_args(batch, inputs)
+        target = target if strategy._has_last else None
+        self.references, self.sums, self.chosen_targets = {}, {}, batch["chosen_targets"]
+        labels = batch["labels"]
+        self.first = (
+            labels.data_ptr(),
+            labels.stride(0) * labels.element_size() * (len(labels) // strategy.microbatches),
+        )
+        reference = module.pipeline_reference()
+        try:
+            if reference is not None:
+                self.mode = "reference"
+                with torch.no_grad(), reference, strategy.loss_context():
+                    strategy._schedule.eval(*args, target=target, return_outputs=False)
+            self.mode = "policy"
+            accumulate = module.trainer.accumulate_grad_batches if train else 1
+            strategy._loss_scale = 1 / (strategy.microbatches * accumulate)
+            run = strategy._schedule.step if train else strategy._schedule.eval
+            with strategy.loss_context():
+                run(*args, target=target, losses=[], return_outputs=False)
+        finally:
+            self.mode = None
+        total = (
+            torch.stack(list(self.sums.values())).sum(0)
+            if strategy._has_last
+            else torch.zeros(module.PREFERENCE_SUMS, device=strategy.root_device)
+        )
+        dist.broadcast(total, src=strategy._last_stage_rank, group=strategy._pp_group)
+        return total, batch["pair_index"].shape[0]
