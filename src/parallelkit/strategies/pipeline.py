@@ -243,6 +243,20 @@ class PipelineStrategy(ParallelkitStrategy):
             loss = loss + extra
         return loss * self._loss_scale
 
+    def _run_pairs(self, batch: Any, train: bool) -> tuple[torch.Tensor, int]:
+        last = self._last_stage_rank if self._has_last else None
+        return self._pairs.run(batch, train, self._schedule, self._first_stage_args, last)
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The global rank holding this rank's pipeline's last stage."""
+        return self._last_stage_rank
+
+    @property
+    def pp_group(self) -> Any:
+        """This rank's pipeline: the process group of its stages."""
+        return self._pp_group
+
     def _check_batch(self, inputs: torch.Tensor) -> None:
         self.pipeline.check_batch(inputs.shape[0])
 
@@ -331,7 +345,7 @@ class PipelineStrategy(ParallelkitStrategy):
             for optimizer in trainer.optimizers:
                 module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
         if is_preference_batch(batch):
-            sums, pairs = self._pairs.run(batch, train=True)
+            sums, pairs = self._run_pairs(batch, train=True)
             module.log_preference_step(sums, pairs, batch_idx)
             return sums[0] / pairs
         loss = self._run(batch, train=True)
@@ -344,7 +358,7 @@ class PipelineStrategy(ParallelkitStrategy):
     @override
     def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
         if is_preference_batch(batch):
-            self.lightning_module.add_preference_validation(*self._pairs.run(batch, train=False), batch_idx)
+            self.lightning_module.add_preference_validation(*self._run_pairs(batch, train=False), batch_idx)
             return
         loss = self._run(batch, train=False)
         weight = {}

@@ -65,6 +65,7 @@ class PipelinePairs:
         self.references: dict[int, torch.Tensor] = {}
         self.sums: dict[int, torch.Tensor] = {}
         self.first = (0, 1)  # the batch's targets: where they start, and one microbatch's bytes
+        self.scale = 1.0  # of a microbatch's loss: the microbatches' mean, over accumulation
         self.chosen_targets: torch.Tensor | None = None
 
     def check(self, module: Any) -> None:
@@ -86,10 +87,14 @@ class PipelinePairs:
         reference = self.references.get(index)
         loss, sums = module.microbatch_loss(output, target, reference, self.chosen_targets, self.strategy.microbatches)
         self.sums[index] = sums
-        return loss * self.strategy._loss_scale
+        return loss * self.scale
 
-    def run(self, batch: dict[str, torch.Tensor], train: bool) -> tuple[torch.Tensor, int]:
-        """One step over `batch`'s pairs: `(this rank's metric sums, the pairs)`, the same on every stage."""
+    def run(
+        self, batch: dict[str, torch.Tensor], train: bool, schedule: Any, stage_args: Any, last: int | None
+    ) -> tuple[torch.Tensor, int]:
+        """One step over `batch`'s pairs through the strategy's `schedule`, the first stage's arguments from
+        `stage_args(batch, inputs)`, `last` the global rank of the last stage when this rank holds it (else None):
+        `(this rank's metric sums, the pairs)`, the same on every stage."""
         strategy, module = self.strategy, self.strategy.lightning_module
         if strategy.resolved.plan.auxiliary_loss is not None:
             raise ConfigError(
@@ -104,8 +109,8 @@ class PipelinePairs:
             )
         batch = whole_pairs(batch, strategy.microbatches, length)
         inputs, target = batch["input_ids"], batch["labels"]
-        args = strategy._first_stage_args(batch, inputs)
-        target = target if strategy._has_last else None
+        args = stage_args(batch, inputs)
+        target = target if last is not None else None
         self.references, self.sums, self.chosen_targets = {}, {}, batch["chosen_targets"]
         labels = batch["labels"]
         self.first = (
@@ -117,19 +122,19 @@ class PipelinePairs:
             if reference is not None:
                 self.mode = "reference"
                 with torch.no_grad(), reference, strategy.loss_context():
-                    strategy._schedule.eval(*args, target=target, return_outputs=False)
+                    schedule.eval(*args, target=target, return_outputs=False)
             self.mode = "policy"
             accumulate = module.trainer.accumulate_grad_batches if train else 1
-            strategy._loss_scale = 1 / (strategy.microbatches * accumulate)
-            run = strategy._schedule.step if train else strategy._schedule.eval
+            self.scale = 1 / (strategy.microbatches * accumulate)
+            run = schedule.step if train else schedule.eval
             with strategy.loss_context():
                 run(*args, target=target, losses=[], return_outputs=False)
         finally:
             self.mode = None
         total = (
             torch.stack(list(self.sums.values())).sum(0)
-            if strategy._has_last
+            if last is not None
             else torch.zeros(module.PREFERENCE_SUMS, device=strategy.root_device)
         )
-        dist.broadcast(total, src=strategy._last_stage_rank, group=strategy._pp_group)
+        dist.broadcast(total, src=strategy.last_stage_rank, group=strategy.pp_group)
         return total, batch["pair_index"].shape[0]
