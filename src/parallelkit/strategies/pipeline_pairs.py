@@ -42,17 +42,12 @@ def whole_pairs(batch: dict[str, torch.Tensor], microbatches: int, length: int) 
     )
     batch = {key: value[order.to(value.device)] if key in ROWS else value for key, value in batch.items()}
     rows, have = batch["input_ids"].shape
-    if have > length:
-        raise ConfigError(f"a preference batch of {have} tokens a row is longer than data.max_length={length}.")
-    fill = {"input_ids": 0, "labels": IGNORE_INDEX}  # never a target, and after every real token of the row
-    for key, value in fill.items():
-        batch[key] = torch.nn.functional.pad(batch[key], (0, length - have), value=value)
-    batch["position_ids"] = torch.arange(length, device=inputs_device(batch)).expand(rows, length).contiguous()
+    # Past `length` a row holds padding alone (no sequence is longer); below, more padding: never a target, and after
+    # every real token of its row.
+    for key, fill in (("input_ids", 0), ("labels", IGNORE_INDEX)):
+        batch[key] = torch.nn.functional.pad(batch[key][:, :length], (0, max(length - have, 0)), value=fill)
+    batch["position_ids"] = torch.arange(length, device=batch["input_ids"].device).expand(rows, length).contiguous()
     return batch
-
-
-def inputs_device(batch: dict[str, torch.Tensor]) -> torch.device:
-    return batch["input_ids"].device
 
 
 class PipelinePairs:
