@@ -20,7 +20,7 @@ The references, (a) again for `copy`, `adapters` (LoRA rank 16 on the attention;
 `none` (SimPO): each rank's bytes of the model's parameters, gradients and optimizer state, and of the reference, from
 the live tensors, and the peak memory. Writes results/preference.json.
 
-Needs the extras: pip install -e ".[hf,sft,bench]" trl.
+Needs the extras: pip install -e ".[hf,sft,bench]".
 """
 
 from __future__ import annotations
