@@ -235,7 +235,7 @@ def test_every_layout_equals_one_process_per_step(runs, layout):
     assert_same_steps(logged(runs(f"one_{variant}", *ONE_PROCESS[variant])), logged(runs(layout, *overrides)))
 
 
-def test_a_resume_in_another_layout_continues_the_run(runs, tmp_path):
+def test_a_resume_in_another_layout_continues_the_run(runs):
     """fsdp x tp's step-3 checkpoint resumed on fsdp 4: the reference is rebuilt from the pretrained weights (the run's
     start, not the checkpoint), and steps 3-5 equal the uninterrupted run's."""
     straight = runs("fsdp2_tp2", *LAYOUTS["fsdp2_tp2"][1])
@@ -279,7 +279,7 @@ def test_validation_logs_trls_metrics_on_the_held_out_pairs_as_one_process(runs)
 SIMPO = ("--model.init_args.preference={loss_type: simpo, beta: 2.0, simpo_gamma: 0.5}",)
 
 
-def test_simpo_is_its_published_formula(runs, sft_export, tmp_path):
+def test_simpo_is_its_published_formula(runs, sft_export):
     """SimPO (Meng et al. 2024, eq. 6; TRL's CPOTrainer with loss_type="simpo" and cpo_alpha=0 computes the same but
     tokenizes with its older pipeline): -log sigmoid(beta/|y_w| log pi(y_w|x) - beta/|y_l| log pi(y_l|x) - gamma), no
     reference. Step 0's loss and rewards from transformers' own forward on the first global batch. (Its distribution
