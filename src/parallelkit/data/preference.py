@@ -16,7 +16,6 @@ by. A pair's chosen and rejected sequences are always in the same batch, on the 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -28,15 +27,12 @@ from typing_extensions import override
 from parallelkit.contract import IGNORE_INDEX
 from parallelkit.data.chat import (
     ROLES,
-    TABULAR,
     builtin_pairs,
-    builtin_tokenizer,
-    is_dataset_directory,
     load_tokenizer,
-    read_records,
 )
+from parallelkit.data.chat_sources import ChatSources
 from parallelkit.data.packing import StepTargetSampler
-from parallelkit.data.stream import PositionedLoader, TokenStreamDataModule, cache_root, find_files
+from parallelkit.data.stream import PositionedLoader, TokenStreamDataModule
 from parallelkit.errors import DataError
 
 TRUNCATION_MODES = ("keep_start", "keep_end")
@@ -221,7 +217,7 @@ class PreferencePairs(Dataset):
         }
 
 
-class PreferenceDataModule(TokenStreamDataModule):
+class PreferenceDataModule(ChatSources, TokenStreamDataModule):
     """Preference pairs for DPO and SimPO (`HFCausalLM(preference=...)`), tokenized as TRL's `DPOTrainer` does.
 
     The first `1 - val_fraction` of the pairs train, in a seeded order that is the same in every layout; the rest
@@ -276,52 +272,9 @@ class PreferenceDataModule(TokenStreamDataModule):
         self._pad_id = 0
 
     # -- records and tokenizer -------------------------------------------------------------------------------------
-    def sources(self) -> list[Path]:
-        """The record sources, in order: files, and `save_to_disk` directories taken whole."""
-        found: list[Path] = []
-        for entry in self.paths or []:
-            path = Path(entry).expanduser()
-            if is_dataset_directory(path):
-                found.append(path.resolve())
-            elif path.is_dir():
-                found.extend(f for f in find_files([entry], self.pattern) if f.suffix in (".jsonl", *TABULAR))
-            else:
-                found.extend(find_files([entry], self.pattern))
-        if self.paths is not None and not found:
-            raise DataError(
-                f"data.paths {self.paths} hold no .jsonl, .parquet or .arrow file and no save_to_disk "
-                "dataset. Fix: point data.paths at preference records."
-            )
-        return list(dict.fromkeys(found))
-
-    def records(self) -> Iterator[tuple[str, Any]]:
-        if self.paths is None:
-            yield from builtin_pairs()
-            return
-        for source in self.sources():
-            yield from read_records(source, self.split)
-
-    def tokenizer_directory(self) -> Path:
-        """`tokenizer`, else the model's own, else the built-in byte-level chat tokenizer."""
-        if self.tokenizer is not None:
-            return Path(self.tokenizer).expanduser()
-        directory = getattr(self.model(), "tokenizer_directory", None)
-        if directory is not None:
-            return Path(directory)
-        root = cache_root(self.cache_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        return builtin_tokenizer(root)
-
-    def template(self) -> str | None:
-        if self.chat_template is None or "{{" in self.chat_template or "{%" in self.chat_template:
-            return self.chat_template
-        path = Path(self.chat_template).expanduser()
-        if not path.is_file():
-            raise DataError(
-                f"data.chat_template {self.chat_template!r} is neither a Jinja template nor an existing file. Fix: "
-                "give the template's text, or the path of a .jinja file."
-            )
-        return path.read_text(encoding="utf-8")
+    @override
+    def builtin_records(self) -> Iterator[tuple[str, Any]]:
+        return builtin_pairs()
 
     def pairs(self) -> list[Pair]:
         """Every record as a `Pair`; refuses the data naming every bad record (at most `SHOWN_PROBLEMS` by name)."""

@@ -26,18 +26,15 @@ from torch.utils.data import DataLoader
 from typing_extensions import override
 
 from parallelkit.data.chat import (
-    TABULAR,
     ChatEncoder,
     builtin_conversations,
-    builtin_tokenizer,
-    is_dataset_directory,
     load_tokenizer,
-    read_records,
 )
+from parallelkit.data.chat_sources import ChatSources
 from parallelkit.data.packing import Examples, PackedRows, StepTargetSampler, collate
 from parallelkit.data.sampler import GlobalBatchSampler
 from parallelkit.data.sft_sizing import SmallDataCheck
-from parallelkit.data.stream import PositionedLoader, TokenStreamDataModule, cache_root, find_files
+from parallelkit.data.stream import PositionedLoader, TokenStreamDataModule, cache_root
 from parallelkit.errors import DataError
 
 CACHE_FORMAT = 2
@@ -47,7 +44,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jin
 """The files of a tokenizer directory whose contents name the cache (a changed template makes a new one)."""
 
 
-class SFTDataModule(SmallDataCheck, TokenStreamDataModule):
+class SFTDataModule(ChatSources, SmallDataCheck, TokenStreamDataModule):
     """Instruction fine-tuning data: conversations and prompt/completion pairs, masked, packed, token-mean batches.
 
     Records (`parallelkit.data.chat`): JSONL lines, Parquet and Arrow files, `datasets` `save_to_disk`
@@ -120,51 +117,9 @@ class SFTDataModule(SmallDataCheck, TokenStreamDataModule):
         self._encoder: ChatEncoder | None = None
 
     # -- sources and tokenizer ---------------------------------------------------------------------------------
-    def sources(self) -> list[Path]:
-        """The record sources, in order: files, and `save_to_disk` directories taken whole."""
-        if self.paths is None:
-            return []
-        found: list[Path] = []
-        for entry in self.paths:
-            path = Path(entry).expanduser()
-            if is_dataset_directory(path):
-                found.append(path.resolve())
-            elif path.is_dir():
-                files = [f for f in find_files([entry], self.pattern) if f.suffix in (".jsonl", *TABULAR)]
-                if not files:
-                    raise DataError(
-                        f"data.paths entry {entry!r} is a directory holding no .jsonl, .parquet or .arrow file "
-                        f"matching {self.pattern!r}, and no save_to_disk dataset. Fix: point data.paths at the "
-                        "records."
-                    )
-                found.extend(files)
-            else:
-                found.extend(find_files([entry], self.pattern))
-        return list(dict.fromkeys(found))
-
-    def tokenizer_directory(self) -> Path:
-        """`tokenizer`, else the model's own, else the built-in byte-level chat tokenizer."""
-        if self.tokenizer is not None:
-            return Path(self.tokenizer).expanduser()
-        model = self.model()
-        directory = getattr(model, "tokenizer_directory", None)
-        if directory is not None:
-            return Path(directory)
-        root = cache_root(self.cache_dir)
-        root.mkdir(parents=True, exist_ok=True)
-        return builtin_tokenizer(root)
-
-    def template(self) -> str | None:
-        """`chat_template` as a template: the text itself, or the file it names."""
-        if self.chat_template is None or "{{" in self.chat_template or "{%" in self.chat_template:
-            return self.chat_template
-        path = Path(self.chat_template).expanduser()
-        if not path.is_file():
-            raise DataError(
-                f"data.chat_template {self.chat_template!r} is neither a Jinja template (it has no '{{{{' or '{{%') "
-                "nor an existing file. Fix: give the template's text, or the path of a .jinja file."
-            )
-        return path.read_text(encoding="utf-8")
+    @override
+    def builtin_records(self) -> Iterator[tuple[str, Any]]:
+        return builtin_conversations()
 
     def encoder(self) -> ChatEncoder:
         if self._encoder is None:
@@ -187,13 +142,6 @@ class SFTDataModule(SmallDataCheck, TokenStreamDataModule):
             if (directory / name).is_file():
                 digest.update(name.encode() + hashlib.sha256((directory / name).read_bytes()).digest())
         return cache_root(self.cache_dir) / f"sft-{digest.hexdigest()[:16]}"
-
-    def records(self) -> Iterator[tuple[str, Any]]:
-        if self.paths is None:
-            yield from builtin_conversations()
-            return
-        for source in self.sources():
-            yield from read_records(source, self.split)
 
     def _build_cache(self) -> Path:
         """Tokenize every record into the cache unless it is there (a directory renamed into place when complete)."""

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from typing_extensions import override
 
 from parallelkit.errors import ConfigError
 from parallelkit.models.preference import (
@@ -35,19 +36,31 @@ class PreferenceSteps:
     PREFERENCE_SUMS = 11
     """How many sums `metric_sums` gives (what a pipeline's last stage broadcasts)."""
 
+    def reference_kind(self) -> str:
+        """`reference_source` of this model, read once: its adapters are what they were built as."""
+        if getattr(self, "_reference_kind", None) is None:
+            self._reference_kind = reference_source(self)
+        return self._reference_kind
+
     def frozen_reference(self) -> nn.Module | None:
         """The reference a strategy parallelises beside the model (`parallelkit.contract.FROZEN_REFERENCE`): a copy of
         the network for `reference: copy`, else None; made once, from the network as it is at the first call (before
         the model is parallelised, or trained)."""
-        if reference_source(self) != "copy":
+        if self.reference_kind() != "copy":
             return None
         if getattr(self, "_reference", None) is None:
             self._reference = [FrozenCopy(self)]  # in a list: not a submodule (no state dict, no optimizer)
-        reference = self._reference[0]
-        weight = next(self.model.parameters())
-        if not isinstance(weight, DTensor) and not weight.is_meta:  # no parallelkit strategy: as Lightning moved us
+        return self._reference[0]
+
+    @override
+    def on_fit_start(self) -> None:
+        """Without a parallelkit strategy (which parallelises the copy with the model), the frozen copy goes where
+        Lightning moved the model, in its dtype."""
+        super().on_fit_start()
+        reference = self.frozen_reference()
+        weight = next(self.model.parameters(), None) if reference is not None else None
+        if weight is not None and not isinstance(weight, DTensor):
             reference.to(device=weight.device, dtype=weight.dtype)
-        return reference
 
     def _check_preference_batch(self, batch: Mapping[str, torch.Tensor]) -> None:
         if self.preference is None:
@@ -77,7 +90,7 @@ class PreferenceSteps:
         policy = SequenceScores(self(ids, positions), labels, cp_group)
         aux = self.auxiliary_loss()  # the policy's (a mixture of experts' load balancing), before the reference runs
         reference = None
-        source = reference_source(self)
+        source = self.reference_kind()
         if source != "none":
             with torch.no_grad():
                 if source == "adapters":
@@ -105,7 +118,7 @@ class PreferenceSteps:
     def pipeline_reference(self) -> Any:
         """The context a pipeline's reference pass runs in: the adapters off; None without a reference (SimPO). A
         frozen copy is refused: its stages beside the model's are not built under pipelines yet."""
-        source = reference_source(self)
+        source = self.reference_kind()
         if source == "copy":
             raise ConfigError(
                 "preference tuning under pipeline parallelism with a frozen reference (model.preference.reference: "
