@@ -19,7 +19,7 @@ from parallelkit.mesh import MeshSpec
 from parallelkit.models import GPT
 from parallelkit.models.gpt import Block
 from parallelkit.parallel.resolve import resolve, split_stages
-from parallelkit.planner import Estimate, Hardware, Workload, estimate, profile, recommend, workloads
+from parallelkit.planner import Estimate, Hardware, Workload, estimate, estimate_layout, profile, recommend, workloads
 from parallelkit.planner.search import candidates
 
 GPT70B = {"vocab_size": 32000, "n_layer": 80, "n_head": 64, "n_embd": 8192}
@@ -502,7 +502,7 @@ def test_preference_tunings_reference_is_counted_a_frozen_copy_as_parameters_and
     """DPO on a Llama of configs/dpo.yaml's sizes, [[2, 2]]: a frozen copy adds the model's parameter shards and
     nothing else (no gradients, no optimizer state); with LoRA the reference is the base with its adapters off, no
     memory at all; either reference runs one more forward (a third of the step's compute). Pipeline layouts are
-    planned for the adapters' reference only (pipelines refuse the frozen copy)."""
+    planned for every reference (a frozen copy split into the model's stages)."""
     from parallelkit.models import HFCausalLM
     from parallelkit.models.preference import Preference
 
@@ -533,4 +533,10 @@ def test_preference_tunings_reference_is_counted_a_frozen_copy_as_parameters_and
     pipelined = {
         name: {spec.size("pp") for spec, _ in candidates(profile(models[name], 64), hw, work)} for name in plans
     }
-    assert pipelined["sft"] == pipelined["adapters"] > {1} and pipelined["copy"] == {1}
+    assert pipelined["sft"] == pipelined["adapters"] == pipelined["copy"] > {1}
+    staged = MeshSpec((2, 2), ("pp", "fsdp"))  # each stage's copy: that stage's parameters once more
+    staged_plans = {
+        name: estimate_layout(models[name], profile(models[name], 64), staged, "1f1b", work, hw)
+        for name in ("copy", "sft")
+    }
+    assert staged_plans["copy"].params == 2 * staged_plans["sft"].params

@@ -167,6 +167,17 @@ LAYOUTS = {
             LORA,
         ),
     ),
+    # full fine-tuning: the frozen copy split into stages as the model, two per rank, its own schedule forward only
+    "interleaved_pp2_fsdp2": (
+        "dpo",
+        (
+            "--trainer.strategy=parallelkit.PipelineStrategy",
+            '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "fsdp"]]',
+            "--trainer.strategy.schedule=interleaved_1f1b",
+            "--trainer.strategy.microbatches=2",
+            *FSDP_TP,
+        ),
+    ),
     "lightning_ddp2": ("dpo", ("--trainer.strategy=ddp", "--trainer.devices=2", *FSDP_TP)),  # a whole copy per rank
     "fsdp2_accumulate2_rpo": (
         "rpo_accumulated",
@@ -365,14 +376,22 @@ def test_every_bad_pair_is_named_in_one_refusal_before_launch(tmp_path):
     assert output.count("cannot be trained on") == 1 and "Traceback" not in output
 
 
-def test_pipelines_refuse_a_frozen_reference_before_launch(tmp_path):
-    """Full fine-tuning under pipelines would need the frozen copy's stages beside the model's: refused, with LoRA
-    (whose reference is the base with its adapters off) as the fix."""
-    refused = fit(DPO, tmp_path, "--trainer.strategy=1f1b", "--trainer.devices=2")
+def test_pipelines_refuse_microbatches_that_split_a_pair_before_launch(tmp_path):
+    """Each microbatch holds whole pairs: 3 pairs a step over 2 microbatches is refused in the launching process,
+    with the batch size and the microbatches that fit."""
+    refused = fit(
+        DPO,
+        tmp_path,
+        "--trainer.strategy=parallelkit.PipelineStrategy",
+        '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "fsdp"]]',
+        "--trainer.strategy.microbatches=2",
+        "--data.init_args.batch_size=3",
+    )
     assert refused.returncode != 0
     message = " ".join(refused.stderr.split())
-    assert "under pipeline parallelism with a frozen reference (model.preference.reference: copy" in message
-    assert "Fix: LoRA" in message and "Traceback" not in refused.stderr
+    assert "a preference batch of 3 pairs (data.batch_size) under a pipeline of 2 microbatches" in message, message
+    assert "--data.init_args.batch_size=2" in message and "Traceback" not in refused.stderr
+    assert "Initializing distributed" not in refused.stdout + refused.stderr  # no worker started
 
 
 @pytest.fixture(scope="module")

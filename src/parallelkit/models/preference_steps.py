@@ -116,14 +116,13 @@ class PreferenceSteps:
 
     # -- for a pipeline strategy, whose last stage sees one microbatch of pairs at a time ---------------------------
     def pipeline_reference(self) -> Any:
-        """The context a pipeline's reference pass runs in: the adapters off; None without a reference (SimPO). A
-        frozen copy is refused: its stages beside the model's are not built under pipelines yet."""
+        """The context a pipeline's reference pass runs in, over the model's own stages: the adapters off; None without
+        a reference (SimPO). A frozen copy runs in stages of its own, which the strategy builds beside the model's."""
         source = self.reference_kind()
         if source == "copy":
             raise ConfigError(
-                "preference tuning under pipeline parallelism with a frozen reference (model.preference.reference: "
-                "copy, full fine-tuning): not done yet. Fix: LoRA (model.lora: the reference is the base with its "
-                "adapters off), or fsdp x tp, as configs/dpo.yaml."
+                "preference tuning with a frozen reference (model.preference.reference: copy) under a pipeline whose "
+                "strategy built no stages for it. Fix: parallelkit.PipelineStrategy, which builds them."
             )
         return adapters_disabled(self) if source == "adapters" else None
 
@@ -234,7 +233,21 @@ class FrozenCopy(nn.Module):
         self.model = copy.deepcopy(network)
         self.model.requires_grad_(False)
         self._route = getattr(type(model), "route_attention", None)  # it reads only `self.model`
+        # The model as the copy's owner: the model's own attributes, its network the copy. Held in a list: not a
+        # submodule.
+        view = object.__new__(type(model))
+        view.__dict__.update(model.__dict__)
+        view.__dict__["_modules"] = {**dict(model.named_children()), "model": self.model}
+        self._view = [view]
         self.eval()
+
+    def on_copy(self, method: Any) -> Any:
+        """`method` of the model (a pipeline plan's stage forward) run on the copy instead; any other callable as it
+        is (it reads only the layers it is handed)."""
+        function = getattr(method, "__func__", None)
+        if function is None or not isinstance(method.__self__, type(self._view[0])):
+            return method
+        return function.__get__(self._view[0])
 
     def route_attention(self) -> None:
         """Context parallelism's attention for the copy's attention modules, as the model routes its own

@@ -146,8 +146,8 @@ class ModelProfile:
     reference: str | None = None
     """Preference tuning's reference (`parallelkit.models.preference.reference_source`): "copy" holds the parameters
     once more (no gradients, no optimizer state), "adapters" nothing, either one more forward a step; "none" (SimPO)
-    neither. None: not preference tuning. Pipelines take preference tuning with the adapters off only (no pipeline
-    layout is planned for the others)."""
+    neither. None: not preference tuning. Under pipelines the copy is split into the model's stages: each stage's
+    parameters once more."""
 
     @property
     def params(self) -> int:

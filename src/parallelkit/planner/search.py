@@ -35,7 +35,7 @@ def candidates(
     for tp in _divisors(hw.devices_per_node):
         if prof.valid_tp.get(tp, "") != "":
             continue
-        for pp in _divisors(world // tp) if pipeline and prof.reference in (None, "adapters") else [1]:
+        for pp in _divisors(world // tp) if pipeline else [1]:
             if pp > 1 and (
                 len(prof.layers) < pp or work.micro_batch % min(2 * pp, work.micro_batch) or work.micro_batch < pp
             ):

@@ -38,6 +38,7 @@ from parallelkit.parallel import ResolvedPlan, parallelize, resolve
 from parallelkit.parallel.schedule import Schedule
 from parallelkit.strategies.base import MeshShape, ParallelkitStrategy
 from parallelkit.strategies.pipeline_pairs import PipelinePairs
+from parallelkit.strategies.reference import build_reference, wanted_reference
 from parallelkit.strategies.stage_clock import StageClock
 
 
@@ -144,9 +145,34 @@ class PipelineStrategy(ParallelkitStrategy):
         """The stages pipeline rank `pp_rank` holds (`Schedule.stage_indices`)."""
         return self.pipeline.stage_indices(pp_rank)
 
-    def parallelize_model(self, trainer: Any) -> None:
+    @override
+    def setup(self, trainer: Any) -> None:
+        reference = wanted_reference(self.lightning_module)  # preference tuning's frozen copy, whole until split
+        super().setup(trainer)
+        if reference is not None:  # its own stages, run forward only by the pairs' reference pass
+            mine = self.stage_indices(self.device_mesh["pp"].get_local_rank())
+            _, self._pairs.reference_schedule = self._run_stages(build_reference(self, reference, parallelize, mine))
+
+    def _run_stages(self, modules: Sequence[torch.nn.Module]) -> tuple[list[_Stage], Any]:
+        """This rank's stage `modules` (its stages, in order) as torch's pipeline stages, and the schedule over them."""
         from torch.distributed.pipelining.schedules import get_schedule_class
 
+        schedule, pp_mesh = self.pipeline, self.device_mesh["pp"]
+        mine = schedule.stage_indices(pp_mesh.get_local_rank())
+        stages = [
+            _Stage(stage, index, schedule.num_stages, self.root_device, group=pp_mesh.get_group())
+            for index, stage in zip(mine, modules)
+        ]
+        return stages, get_schedule_class(schedule.torch_class)(
+            stages if schedule.multi_stage else stages[0],
+            n_microbatches=schedule.microbatches,
+            loss_fn=self._loss,
+            # Not scale_grads: it divides all of .grad after the step, gradients accumulated by earlier
+            # accumulation micro-steps included. The loss is divided instead (see _run).
+            scale_grads=False,
+        )
+
+    def parallelize_model(self, trainer: Any) -> None:
         module = self.lightning_module
         pp_mesh = self.device_mesh["pp"]
         schedule = self.pipeline
@@ -157,23 +183,11 @@ class PipelineStrategy(ParallelkitStrategy):
         if self.reshard_after_forward != "always":
             for stage in modules:
                 quiet_root_view_warning(stage)
-        pipeline_stages = [
-            _Stage(stage, index, schedule.num_stages, self.root_device, group=pp_mesh.get_group())
-            for index, stage in zip(mine, modules)
-        ]
-        self._stages = pipeline_stages
-        self._schedule = get_schedule_class(schedule.torch_class)(
-            pipeline_stages if schedule.multi_stage else pipeline_stages[0],
-            n_microbatches=schedule.microbatches,
-            loss_fn=self._loss,
-            # Not scale_grads: it divides all of .grad after the step, gradients accumulated by earlier
-            # accumulation micro-steps included. The loss is divided instead (see _run).
-            scale_grads=False,
-        )
+        self._stages, self._schedule = self._run_stages(modules)
         if self.schedule_stats:
-            self._clock = StageClock(pipeline_stages, self.root_device)
-        self._has_first = any(stage.is_first for stage in pipeline_stages)
-        self._has_last = any(stage.is_last for stage in pipeline_stages)
+            self._clock = StageClock(self._stages, self.root_device)
+        self._has_first = any(stage.is_first for stage in self._stages)
+        self._has_last = any(stage.is_last for stage in self._stages)
         self._pp_group = pp_mesh.get_group()
         # The ranks whose tokens differ (data-parallel x cp: a cp rank's stages run its slice of each sequence), over
         # which losses are logged, and how many the gradient reduction averages over (without cp: the dp size).
@@ -210,7 +224,7 @@ class PipelineStrategy(ParallelkitStrategy):
                 "or use strategy='fsdp_tp'."
             )
         if getattr(model, "preference", None) is not None:
-            PipelinePairs(self).check(model)
+            self._pairs.check()
         resolved = resolve(
             model,
             tp=self.mesh_spec.size("tp"),
@@ -228,6 +242,12 @@ class PipelineStrategy(ParallelkitStrategy):
                 "compute the loss."
             )
         return resolved
+
+    @override
+    def check_run(self, model: Any, datamodule: Any = None, accumulate_grad_batches: int = 1) -> None:
+        super().check_run(model, datamodule, accumulate_grad_batches)
+        if getattr(model, "preference", None) is not None:
+            self._pairs.check(datamodule)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if self._pairs.mode is not None:  # a preference batch's microbatch

@@ -1,15 +1,17 @@
 """Preference pairs through a pipeline schedule: every microbatch whole pairs, the reference's pass first.
 
 The batch's rows are reordered so that each of the schedule's microbatches holds whole pairs (its chosen rows, then
-the same pairs' rejected rows: a preference batch of its own). With a reference (the model with its adapters off), a
-forward-only pass of the schedule runs first, and the last stage keeps each microbatch's reference log-probs; then the
-training (or validation) pass, whose loss on the last stage is the microbatch's preference loss (the model's
-`microbatch_loss`), scaled as the strategy scales a loss (the microbatches' mean, over accumulation). The last stage's
-metric sums are broadcast to the other stages, which log them as it does.
+the same pairs' rejected rows: a preference batch of its own). With a reference (the model with its adapters off, or
+a frozen copy split into stages as the model), a forward-only pass of its schedule runs first, and the last stage
+keeps each microbatch's reference log-probs; then the training (or validation) pass, whose loss on the last stage is
+the microbatch's preference loss (the model's `microbatch_loss`), scaled as the strategy scales a loss (the
+microbatches' mean, over accumulation). The last stage's metric sums are broadcast to the other stages, which log
+them as it does.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -22,10 +24,8 @@ ROWS = ("input_ids", "labels", "position_ids")
 """A preference batch's per-row tensors (the rest are per pair or per batch)."""
 
 
-def whole_pairs(batch: dict[str, torch.Tensor], microbatches: int, length: int) -> dict[str, torch.Tensor]:
-    """`batch` with its rows in the order that gives each of `microbatches` equal chunks whole pairs, right-padded to
-    `length` tokens: the stages exchange activations of the shape they were built for, every batch alike."""
-    pairs = batch["pair_index"].shape[0]
+def check_pairs(pairs: int, microbatches: int) -> None:
+    """Refuse a batch of `pairs` pairs that `microbatches` microbatches cannot hold as whole pairs."""
     if pairs % microbatches:
         raise ConfigError(
             f"a preference batch of {pairs} pairs (data.batch_size) under a pipeline of {microbatches} microbatches: "
@@ -33,6 +33,13 @@ def whole_pairs(batch: dict[str, torch.Tensor], microbatches: int, length: int) 
             f"--data.init_args.batch_size={microbatches * max(pairs // microbatches, 1)}, or "
             "--trainer.strategy.microbatches to a divisor of it."
         )
+
+
+def whole_pairs(batch: dict[str, torch.Tensor], microbatches: int, length: int) -> dict[str, torch.Tensor]:
+    """`batch` with its rows in the order that gives each of `microbatches` equal chunks whole pairs, right-padded to
+    `length` tokens: the stages exchange activations of the shape they were built for, every batch alike."""
+    pairs = batch["pair_index"].shape[0]
+    check_pairs(pairs, microbatches)
     size = pairs // microbatches
     order = torch.cat(
         [
@@ -62,10 +69,12 @@ class PipelinePairs:
         self.first = (0, 1)  # the batch's targets: where they start, and one microbatch's bytes
         self.scale = 1.0  # of a microbatch's loss: the microbatches' mean, over accumulation
         self.chosen_targets: torch.Tensor | None = None
+        self.reference_schedule: Any = None  # a frozen copy's stages (the strategy builds them), else the model's
 
-    def check(self, module: Any) -> None:
-        """Refuse, before launch, what the pipeline cannot do with `module`'s preference tuning."""
-        module.pipeline_reference()  # a frozen copy is refused there
+    def check(self, datamodule: Any = None) -> None:
+        """Refuse, before launch, what the pipeline cannot do in preference tuning (on `datamodule`'s batches)."""
+        if getattr(datamodule, "batch_size", None) is not None:
+            check_pairs(datamodule.batch_size, self.strategy.microbatches)
         if self.strategy.mesh_spec.cp_size > 1:
             raise ConfigError(
                 "preference tuning under pipelines with a cp axis: not done yet. Fix: pp without cp, or cp without pp."
@@ -112,12 +121,15 @@ class PipelinePairs:
             labels.data_ptr(),
             labels.stride(0) * labels.element_size() * (len(labels) // strategy.microbatches),
         )
-        reference = module.pipeline_reference()
+        if self.reference_schedule is not None:  # a frozen copy's stages
+            reference, context = self.reference_schedule, nullcontext()
+        else:  # the model's own, in the context the model gives (its adapters off), or none (SimPO)
+            reference, context = schedule, module.pipeline_reference()
         try:
-            if reference is not None:
+            if context is not None:
                 self.mode = "reference"
-                with torch.no_grad(), reference, strategy.loss_context():
-                    schedule.eval(*args, target=target, return_outputs=False)
+                with torch.no_grad(), context, strategy.loss_context():
+                    reference.eval(*args, target=target, return_outputs=False)
             self.mode = "policy"
             accumulate = module.trainer.accumulate_grad_batches if train else 1
             self.scale = 1 / (strategy.microbatches * accumulate)

@@ -3,13 +3,15 @@
 A model that wants one (`parallelkit.contract.FROZEN_REFERENCE`: DPO without adapters) hands the strategy a
 copy of its network under its own module names before the model is parallelised. Once the model is parallelised and
 holds its starting values (pretrained or the seed's, before a checkpoint's are restored: the reference is the model as
-this training began, on a resume too), the copy gets the same plan (tensor, expert and context parallelism, FSDP
-units and mixed precision) and then each of the model's local shards: no gather, no second read of the weights. It is
-never trained: no gradients, no optimizer state, no place in checkpoints.
+this training began, on a resume too), the copy gets the same plan (pipeline stages, tensor, expert and context
+parallelism, FSDP units and mixed precision) and then each of the model's local shards: no gather, no second read of
+the weights. It is never trained: no gradients, no optimizer state, no place in checkpoints.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -29,11 +31,19 @@ def wanted_reference(module: Any) -> nn.Module | None:
     return hook() if callable(hook) else None
 
 
-def build_reference(strategy: Any, reference: nn.Module, parallelize: Any) -> None:
+def build_reference(
+    strategy: Any, reference: nn.Module, parallelize: Any, stages: Sequence[int] | None = None
+) -> list[nn.Module]:
     """Parallelise `reference` as the strategy parallelised its model (`parallelize(module, mesh, **options)`), on
-    the model's device and precision, and give it the model's local values, parameters and buffers by name."""
+    the model's device and precision, and give it the model's local values, parameters and buffers by name. With
+    `stages` (this rank's pipeline stages), the copy is split as the model and its stages run the plan's stage
+    forward on the copy (`reference.on_copy`). Returns the modules to run, as `parallelize`."""
     options = {**strategy.parallelize_options(), "prepare": None}
-    parallelize(reference, strategy.device_mesh, **options)
+    if stages is not None:
+        resolved = options["resolved"]
+        forward = reference.on_copy(resolved.plan.stage_forward)
+        options.update(resolved=replace(resolved, plan=replace(resolved.plan, stage_forward=forward)), stages=stages)
+    roots = parallelize(reference, strategy.device_mesh, **options)
     device = next(strategy.model.parameters()).device
     tied = tied_parameters(reference)
     apply_to_tensors(reference, lambda t: torch.empty_like(t, device=device) if t.is_meta else t.to(device))
@@ -48,6 +58,8 @@ def build_reference(strategy: Any, reference: nn.Module, parallelize: Any) -> No
             local.copy_(source.to_local() if isinstance(source, DTensor) else source)
     reference.requires_grad_(False)
     reference.eval()
-    if isinstance(reference, FSDPModule):  # forward only: the root too gives back its gathered parameters after it
-        reference.set_reshard_after_forward(True)
+    for root in roots:
+        if isinstance(root, FSDPModule):  # forward only: the root too gives back its gathered parameters after it
+            root.set_reshard_after_forward(True)
     strategy.precision_plugin.convert_module(reference)
+    return roots
