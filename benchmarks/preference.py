@@ -16,8 +16,8 @@ Each variant is its own torchrun job (peak memory is per process), the variants 
 `--warmup` steps of each job are dropped. Per variant: the median step time, tokens per second (the pairs' real tokens,
 chosen and rejected, over the job), each rank's peak resident memory (CPU) or allocated memory (GPU).
 
-The references, (a) again for `copy`, `adapters` (LoRA rank 16 on the attention; the base with its adapters off) and
-`none` (SimPO): each rank's bytes of the model's parameters, gradients and optimizer state, and of the reference, from
+The references, (a) again for `copy`, `adapters` (LoRA rank 16 on the attention; the base with its adapters off),
+`precomputed` (the log-probs computed once before training) and `none` (SimPO): each rank's bytes of the model's parameters, gradients and optimizer state, and of the reference, from
 the live tensors, and the peak memory. Writes results/preference.json.
 
 Needs the extras: pip install -e ".[hf,sft,bench]".
@@ -47,7 +47,12 @@ from parallelkit.data import PreferenceDataModule  # noqa: E402
 from parallelkit.models import HFCausalLM  # noqa: E402
 
 LORA = {"rank": 16, "alpha": 32, "targets": ["q_proj", "k_proj", "v_proj", "o_proj"]}
-REFERENCES = {"copy": {}, "adapters": {"lora": LORA}, "none": {"preference": {"loss_type": "simpo"}}}
+REFERENCES = {
+    "copy": {},
+    "adapters": {"lora": LORA},
+    "precomputed": {"preference": {"reference": "precomputed"}},
+    "none": {"preference": {"loss_type": "simpo"}},
+}
 LR, WARMUP = 1e-4, 2
 
 
@@ -110,7 +115,9 @@ def run_parallelkit(args: argparse.Namespace, reference: str, mesh: str) -> dict
         "model_bytes": local_bytes(state.parameters()),
         "grad_bytes": local_bytes(trained),
         "optimizer_bytes": local_bytes(v for s in optimizer for v in s.values() if torch.is_tensor(v) and v.ndim),
-        "reference_bytes": 0 if frozen is None else local_bytes([*frozen.parameters(), *frozen.buffers()]),
+        "reference_bytes": local_bytes([*frozen.parameters(), *frozen.buffers()])
+        if frozen is not None
+        else local_bytes(model._stored().tables.values()),  # precomputed: a (pairs, 2) table per split; else none
     }
 
 
@@ -261,7 +268,7 @@ def main() -> None:
                 out = Path(tmp) / f"{variant.replace(':', '-')}-{round_}.json"
                 launch(__file__, 4, [*passed, f"--variant={variant}"], out)
                 runs.setdefault(variant, []).append(json.loads(out.read_text()))
-        for variant in ("parallelkit:adapters:2x2", "parallelkit:none:2x2"):
+        for variant in ("parallelkit:adapters:2x2", "parallelkit:precomputed:2x2", "parallelkit:none:2x2"):
             out = Path(tmp) / f"{variant.replace(':', '-')}.json"
             launch(__file__, 4, [*passed, f"--variant={variant}"], out)
             runs[variant] = [json.loads(out.read_text())]

@@ -31,6 +31,7 @@ TRL_VARIANTS = {
     "ipo": {"loss_type": "ipo"},
     "robust": {"loss_type": "robust", "label_smoothing": 0.2},
     "rpo_accumulated": {"batch_size": 2, "accumulate": 2, "rpo_alpha": 0.5},
+    "precomputed": {"precompute": True},
 }
 LOGGED = ("train_loss", *METRICS[1:], "grad_norm")
 """What a step logs: TRL's metric names, the loss as `train_loss`, and the gradient's norm (as TRL logs it): an error
@@ -135,17 +136,25 @@ ONE_PROCESS = {
         "--trainer.accumulate_grad_batches=2",
         "--model.init_args.preference.rpo_alpha=0.5",
     ),
+    "precomputed": (*ONE, "--data.init_args.batch_size=4", "--model.init_args.preference.reference=precomputed"),
 }
 
 
 @pytest.mark.parametrize("variant", list(TRL_VARIANTS))
 def test_one_process_equals_trl_dpo_trainer_per_step(runs, trl, variant):
     """Full fine-tuning against a frozen copy, LoRA against the adapters switched off (TRL's PEFT path), IPO, robust DPO
-    (label smoothing) and the NLL term with gradient accumulation: TRL's loss and every metric it logs, each step."""
+    (label smoothing), the NLL term with gradient accumulation, and reference log-probs precomputed before training
+    (TRL's `precompute_ref_log_probs`): TRL's loss and every metric it logs, each step."""
     assert_same_steps(as_trl(trl[variant]), logged(runs(f"one_{variant}", *ONE_PROCESS[variant])))
 
 
 FSDP_TP = ("--data.init_args.batch_size=2",)  # the config's [[2, 2], ["fsdp", "tp"]]: 2 pairs x fsdp 2 = 4
+PIPELINE = (
+    "--trainer.strategy=parallelkit.PipelineStrategy",
+    '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "fsdp"]]',
+    "--trainer.strategy.schedule=1f1b",
+    "--trainer.strategy.microbatches=2",
+)
 CHECKPOINT = checkpoint_every(Path("ckpt"), 3)
 LAYOUTS = {
     # the frozen reference sharded as the model: FSDP2 x tp with sequence and loss parallelism, meta_init
@@ -156,17 +165,7 @@ LAYOUTS = {
         ('--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]', "--trainer.strategy.cp_method=ulysses", *FSDP_TP),
     ),
     # each of the 2 microbatches holds whole pairs; the reference pass (adapters off) runs the schedule forward first
-    "lora_1f1b_pp2_fsdp2": (
-        "lora",
-        (
-            "--trainer.strategy=parallelkit.PipelineStrategy",
-            '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "fsdp"]]',
-            "--trainer.strategy.schedule=1f1b",
-            "--trainer.strategy.microbatches=2",
-            *FSDP_TP,
-            LORA,
-        ),
-    ),
+    "lora_1f1b_pp2_fsdp2": ("lora", (*PIPELINE, *FSDP_TP, LORA)),
     # full fine-tuning: the frozen copy split into stages as the model, two per rank, its own schedule forward only
     "interleaved_pp2_fsdp2": (
         "dpo",
@@ -179,6 +178,17 @@ LAYOUTS = {
         ),
     ),
     "lightning_ddp2": ("dpo", ("--trainer.strategy=ddp", "--trainer.devices=2", *FSDP_TP)),  # a whole copy per rank
+    # precomputed before the first step: each rank its pairs' share, cp's slices summed; checkpointed at step 3
+    "precomputed_fsdp2_cp2": (
+        "precomputed",
+        (
+            '--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]',
+            *FSDP_TP,
+            ONE_PROCESS["precomputed"][-1],
+            CHECKPOINT,
+        ),
+    ),
+    "precomputed_1f1b_pp2_fsdp2": ("precomputed", (*PIPELINE, *FSDP_TP, ONE_PROCESS["precomputed"][-1])),
     "fsdp2_accumulate2_rpo": (
         "rpo_accumulated",
         (
@@ -246,17 +256,21 @@ def test_every_layout_equals_one_process_per_step(runs, layout):
     assert_same_steps(logged(runs(f"one_{variant}", *ONE_PROCESS[variant])), logged(runs(layout, *overrides)))
 
 
-def test_a_resume_in_another_layout_continues_the_run(runs):
-    """fsdp x tp's step-3 checkpoint resumed on fsdp 4: the reference is rebuilt from the pretrained weights (the run's
-    start, not the checkpoint), and steps 3-5 equal the uninterrupted run's."""
-    straight = runs("fsdp2_tp2", *LAYOUTS["fsdp2_tp2"][1])
+RESUMES = {
+    # the frozen copy rebuilt from the pretrained weights (the run's start, not the checkpoint)
+    "fsdp2_tp2": ('--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]', "--data.init_args.batch_size=1"),
+    # the precomputed log-probs read from the checkpoint (computed again, they would be the trained model's)
+    "precomputed_fsdp2_cp2": (*PIPELINE, *FSDP_TP, ONE_PROCESS["precomputed"][-1]),
+}
+
+
+@pytest.mark.parametrize("layout", list(RESUMES))
+def test_a_resume_in_another_layout_continues_the_run(runs, layout):
+    """A step-3 checkpoint resumed in another layout (fsdp x tp on fsdp 4; fsdp x cp with precomputed reference
+    log-probs on 1F1B pp 2 x fsdp 2): steps 3-5 equal the uninterrupted run's."""
+    straight = runs(layout, *LAYOUTS[layout][1])
     ckpt = next(straight.rglob("epoch=0-step=3.ckpt"))
-    resumed = runs(
-        "resumed_fsdp4",
-        '--trainer.strategy.mesh_shape=[[4, 1], ["fsdp", "tp"]]',
-        "--data.init_args.batch_size=1",
-        f"--ckpt_path={ckpt}",
-    )
+    resumed = runs(f"resumed_{layout}", *RESUMES[layout], f"--ckpt_path={ckpt}")
     files = sorted(resumed.rglob("metrics.csv"))
     with open(files[-1]) as f:
         rows = {int(row["step"]): row for row in csv.DictReader(f) if row.get("train_loss")}

@@ -60,6 +60,7 @@ def train(
     rpo_alpha: float | None = None,
     label_smoothing: float = 0.0,
     lora: bool = False,
+    precompute: bool = False,
 ) -> list[dict[str, float]]:
     """One TRL run: per step, its logged metrics and its loss."""
     from transformers import AutoTokenizer
@@ -137,6 +138,7 @@ def train(
         pad_to_multiple_of=None,
         seed=args.seed,
         bf16=False,  # TRL's default is bf16 autocast; the comparison is in fp32
+        precompute_ref_log_probs=precompute,
     )
     trainer = InOrder(
         model=model,

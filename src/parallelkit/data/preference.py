@@ -198,6 +198,19 @@ class PreferencePairs(Dataset):
             "chosen_targets": count,
         }
 
+    def digest(self) -> str:
+        """A fingerprint of the pairs as they are trained on (their tokens, completion masks and truncation): what
+        reference log-probs precomputed on them were computed on."""
+        import hashlib
+
+        digest = hashlib.sha256(f"{self.max_length} {self.mode} {len(self.pairs)}".encode())
+        for pair in self.pairs:
+            for side in ("chosen", "rejected"):
+                ids, mask = pair.sequence(side, self.max_length, self.mode)
+                digest.update(np.asarray([len(ids)], dtype=np.int64).tobytes())
+                digest.update(np.asarray(ids, dtype=np.int64).tobytes() + np.asarray(mask, dtype=np.bool_).tobytes())
+        return digest.hexdigest()
+
     def collate(self, items: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
         """Chosen rows, then rejected rows, right-padded to a multiple of `PAD_MULTIPLE` (at most `max_length`'s)."""
         rows = [item["chosen"] for item in items] + [item["rejected"] for item in items]
@@ -374,3 +387,14 @@ class PreferenceDataModule(ChatSources, TokenStreamDataModule):
             num_workers=self.num_workers,
             collate_fn=dataset.collate,
         )
+
+    def reference_dataloader(self, split: str) -> DataLoader:
+        """Every pair of `split` ("train" or "val") once, in order, as preference batches of `batch_size` pairs, this
+        data-parallel rank's share of each global batch; the last global batch filled with the first pairs again, so
+        every rank runs as many batches: what precomputed reference log-probs are computed over."""
+        dataset = self.train_set if split == "train" else self.val_set
+        replicas, rank = self.data_parallel_layout()
+        step = replicas * self.batch_size
+        order = [i % len(dataset) for i in range(-(-len(dataset) // step) * step)] if len(dataset) else []
+        mine = [order[start + rank * self.batch_size :][: self.batch_size] for start in range(0, len(order), step)]
+        return DataLoader(dataset, batch_sampler=mine, num_workers=self.num_workers, collate_fn=dataset.collate)

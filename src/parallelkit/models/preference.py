@@ -33,9 +33,10 @@ from parallelkit.errors import ConfigError
 LOSS_TYPES = ("sigmoid", "ipo", "robust", "simpo")
 """DPO's sigmoid loss, IPO, robust DPO (label smoothing), and the reference-free SimPO."""
 
-REFERENCES = ("auto", "copy", "adapters", "none")
-"""Where the reference log-probs come from: a frozen copy, the model with its adapters off, or none (SimPO). `auto`:
-adapters off when the model has adapters, else a copy; none for SimPO."""
+REFERENCES = ("auto", "copy", "adapters", "precomputed", "none")
+"""Where the reference log-probs come from: a frozen copy, the model with its adapters off, the model as training
+starts computed once over every pair before the first step (TRL's `precompute_ref_log_probs`), or none (SimPO).
+`auto`: adapters off when the model has adapters, else a copy; none for SimPO."""
 
 METRICS = (
     "loss",
@@ -66,7 +67,7 @@ class Preference:
         rpo_alpha: weight of the NLL of the chosen completions added to the loss (RPO; TRL: `loss_type=["sigmoid",
             "sft"]`, `loss_weights=[1, rpo_alpha]`; CPO's `cpo_alpha` for SimPO). None: no NLL term.
         simpo_gamma: SimPO's target reward margin (TRL's `simpo_gamma`).
-        reference: `auto`, `copy`, `adapters` or `none` (`REFERENCES`).
+        reference: `auto`, `copy`, `adapters`, `precomputed` or `none` (`REFERENCES`).
     """
 
     loss_type: str = "sigmoid"
@@ -106,7 +107,8 @@ class Preference:
             )
 
     def source(self, has_adapters: bool) -> str:
-        """The reference's source for a model with or without adapters: `copy`, `adapters` or `none`."""
+        """The reference's source for a model with or without adapters: `copy`, `adapters`, `precomputed` or
+        `none`."""
         if self.loss_type == "simpo":
             return "none"
         if self.reference == "auto":

@@ -26,6 +26,7 @@ from parallelkit.models.preference import (
     reference_source,
     summed,
 )
+from parallelkit.models.preference_store import CHECKPOINT_KEY, StoredReference
 
 
 class PreferenceSteps:
@@ -82,8 +83,10 @@ class PreferenceSteps:
         cp = spec.cp_size if spec is not None else 1
         return reduction_size(self.trainer.strategy) // cp, self.dp_group
 
-    def preference_scores(self, batch: Mapping[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """`(per-pair loss, metric sums of this rank, the policy's scores)` of a preference batch."""
+    def preference_scores(
+        self, batch: Mapping[str, torch.Tensor], split: str = "train"
+    ) -> tuple[torch.Tensor, torch.Tensor, Any]:
+        """`(per-pair loss, metric sums of this rank, the policy's scores)` of a preference batch of `split`."""
         self._check_preference_batch(batch)
         ids, positions, labels = batch["input_ids"], batch["position_ids"], batch["labels"]
         cp_group = self._cp_group()
@@ -91,7 +94,9 @@ class PreferenceSteps:
         aux = self.auxiliary_loss()  # the policy's (a mixture of experts' load balancing), before the reference runs
         reference = None
         source = self.reference_kind()
-        if source != "none":
+        if source == "precomputed":
+            reference = GivenLogps(self.stored_reference(batch, split))
+        elif source != "none":
             with torch.no_grad():
                 if source == "adapters":
                     with adapters_disabled(self):
@@ -113,6 +118,65 @@ class PreferenceSteps:
         cp = 1 if cp_group is None else dist.get_world_size(cp_group)
         sums[:PAIR_SUMS] /= cp  # every cp rank holds the same pairs' values; the token sums are its own slice's
         return loss, sums, pairs
+
+    # -- a precomputed reference (`parallelkit.models.preference_store`) -------------------------------------------
+    def stored_reference(self, batch: Mapping[str, torch.Tensor], split: str) -> torch.Tensor | None:
+        """The precomputed reference log-probs of a preference batch's rows (`split`: "train" or "val"), or None
+        when the reference is not precomputed."""
+        if self.reference_kind() != "precomputed":
+            return None
+        return self._stored().rows(batch, split)
+
+    def precompute_context(self) -> Any:
+        """The context the reference log-probs are precomputed in: the adapters off (none without adapters)."""
+        return adapters_disabled(self)
+
+    def reference_logps(self, batch: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The log-probs of a preference batch's rows by the model as it is (in `precompute_context`)."""
+        logits = self(batch["input_ids"], batch["position_ids"])
+        self.auxiliary_loss()  # a mixture of experts' load balancing: not the reference's to add
+        return SequenceScores(logits, batch["labels"], self._cp_group(), with_logits=False).logps
+
+    @override
+    def on_validation_start(self) -> None:
+        super().on_validation_start()
+        self._precompute()
+
+    @override
+    def on_train_start(self) -> None:
+        super().on_train_start()
+        self._precompute()
+
+    def _precompute(self) -> None:
+        """A precomputed reference's log-probs, computed at the first validation or training start (before any step,
+        after a checkpoint restored them on a resume) unless they are there."""
+        if self.preference is None or self.reference_kind() != "precomputed" or self._stored().tables:
+            return
+        with torch.inference_mode(False):  # the validation loop's: tables read by training's autograd later
+            self._stored().compute(self)
+
+    def _stored(self) -> StoredReference:
+        if getattr(self, "_stored_reference", None) is None:
+            self._stored_reference = StoredReference()
+        return self._stored_reference
+
+    @override
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_save_checkpoint(checkpoint)
+        if self.preference is not None and self.reference_kind() == "precomputed" and self._stored().tables:
+            checkpoint[CHECKPOINT_KEY] = self._stored().state_dict()
+
+    @override
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        super().on_load_checkpoint(checkpoint)
+        if self.preference is not None and self.reference_kind() == "precomputed":
+            if CHECKPOINT_KEY not in checkpoint:
+                raise ConfigError(
+                    "model.preference.reference: precomputed, but the checkpoint holds no precomputed reference "
+                    "log-probs (it was saved by a run with another reference), and the model they would come from is "
+                    "gone. Fix: resume with the run's own reference setting, or start from the pretrained model."
+                )
+            self._stored().load_state_dict(checkpoint[CHECKPOINT_KEY], self)
 
     # -- for a pipeline strategy, whose last stage sees one microbatch of pairs at a time ---------------------------
     def pipeline_reference(self) -> Any:
@@ -183,7 +247,7 @@ class PreferenceSteps:
         self.log("grad_norm", norm, on_step=True, on_epoch=False)
 
     def preference_validation_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> None:
-        _, sums, pairs = self.preference_scores(batch)
+        _, sums, pairs = self.preference_scores(batch, "val")
         self.add_preference_validation(sums, pairs, batch_idx)
 
     def add_preference_validation(self, sums: torch.Tensor, pairs: int, batch_idx: int) -> None:

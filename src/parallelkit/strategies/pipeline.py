@@ -93,7 +93,8 @@ class PipelineStrategy(ParallelkitStrategy):
         self.split_points = split_points
         self.schedule_stats = schedule_stats
         self._clock: StageClock | None = None
-        self._pairs = PipelinePairs(self)  # preference batches: idle until one comes
+        self.pairs = PipelinePairs(self)
+        """The preference steps (`parallelkit.strategies.pipeline_pairs`): idle until a preference batch comes."""
         self._schedule: Any = None
         self._stages: list[_Stage] = []
         self._loss_scale = 1.0
@@ -151,7 +152,7 @@ class PipelineStrategy(ParallelkitStrategy):
         super().setup(trainer)
         if reference is not None:  # its own stages, run forward only by the pairs' reference pass
             mine = self.stage_indices(self.device_mesh["pp"].get_local_rank())
-            _, self._pairs.reference_schedule = self._run_stages(build_reference(self, reference, parallelize, mine))
+            _, self.pairs.reference_schedule = self._run_stages(build_reference(self, reference, parallelize, mine))
 
     def _run_stages(self, modules: Sequence[torch.nn.Module]) -> tuple[list[_Stage], Any]:
         """This rank's stage `modules` (its stages, in order) as torch's pipeline stages, and the schedule over them."""
@@ -194,6 +195,7 @@ class PipelineStrategy(ParallelkitStrategy):
         self._token_group = token_group(self)
         self._reduction_size = reduction_size(self)
         self._last_stage_rank = dist.get_global_rank(self._pp_group, schedule.last_stage_rank())
+        self.pairs.bind(self._schedule, self._first_stage_args, self._last_stage_rank if self._has_last else None)
         # Gradient clipping adds up the stages' norms.
         self.precision_plugin.stage_group = pp_mesh.get_group()
         if trainer.state.fn == TrainerFn.FITTING:
@@ -224,7 +226,7 @@ class PipelineStrategy(ParallelkitStrategy):
                 "or use strategy='fsdp_tp'."
             )
         if getattr(model, "preference", None) is not None:
-            self._pairs.check()
+            self.pairs.check()
         resolved = resolve(
             model,
             tp=self.mesh_spec.size("tp"),
@@ -247,11 +249,11 @@ class PipelineStrategy(ParallelkitStrategy):
     def check_run(self, model: Any, datamodule: Any = None, accumulate_grad_batches: int = 1) -> None:
         super().check_run(model, datamodule, accumulate_grad_batches)
         if getattr(model, "preference", None) is not None:
-            self._pairs.check(datamodule)
+            self.pairs.check(datamodule)
 
     def _loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if self._pairs.mode is not None:  # a preference batch's microbatch
-            return self._pairs.loss(output, target)
+        if self.pairs.mode is not None:  # a preference batch's microbatch
+            return self.pairs.loss(output, target)
         auxiliary = self.resolved.plan.auxiliary_loss
         extra = auxiliary() if auxiliary is not None else 0.0  # taken from every forward, added in training
         if self._predicting:  # torch's schedules compute a loss on the last stage whatever the step is for
@@ -262,10 +264,6 @@ class PipelineStrategy(ParallelkitStrategy):
         elif self._training:  # as `CausalLM.training_step` adds it, on each microbatch
             loss = loss + extra
         return loss * self._loss_scale
-
-    def _run_pairs(self, batch: Any, train: bool) -> tuple[torch.Tensor, int]:
-        last = self._last_stage_rank if self._has_last else None
-        return self._pairs.run(batch, train, self._schedule, self._first_stage_args, last)
 
     @property
     def last_stage_rank(self) -> int:
@@ -365,7 +363,7 @@ class PipelineStrategy(ParallelkitStrategy):
             for optimizer in trainer.optimizers:
                 module.optimizer_zero_grad(trainer.current_epoch, batch_idx, optimizer)
         if is_preference_batch(batch):
-            sums, pairs = self._run_pairs(batch, train=True)
+            sums, pairs = self.pairs.run(batch, train=True)
             module.log_preference_step(sums, pairs, batch_idx)
             return sums[0] / pairs
         loss = self._run(batch, train=True)
@@ -378,7 +376,7 @@ class PipelineStrategy(ParallelkitStrategy):
     @override
     def validation_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> None:
         if is_preference_batch(batch):
-            self.lightning_module.add_preference_validation(*self._run_pairs(batch, train=False), batch_idx)
+            self.lightning_module.add_preference_validation(*self.pairs.run(batch, train=False), batch_idx)
             return
         loss = self._run(batch, train=False)
         weight = {}

@@ -35,18 +35,18 @@ def check_pairs(pairs: int, microbatches: int) -> None:
         )
 
 
-def whole_pairs(batch: dict[str, torch.Tensor], microbatches: int, length: int) -> dict[str, torch.Tensor]:
-    """`batch` with its rows in the order that gives each of `microbatches` equal chunks whole pairs, right-padded to
-    `length` tokens: the stages exchange activations of the shape they were built for, every batch alike."""
-    pairs = batch["pair_index"].shape[0]
+def pair_order(pairs: int, microbatches: int) -> torch.Tensor:
+    """The order of a batch's rows (its `pairs` chosen rows, then their rejected rows) that gives each of
+    `microbatches` equal chunks whole pairs: its chosen rows, then the same pairs' rejected rows."""
     check_pairs(pairs, microbatches)
     size = pairs // microbatches
-    order = torch.cat(
-        [
-            torch.cat([torch.arange(j * size, (j + 1) * size), pairs + torch.arange(j * size, (j + 1) * size)])
-            for j in range(microbatches)
-        ]
-    )
+    chunks = [torch.arange(j * size, (j + 1) * size) for j in range(microbatches)]
+    return torch.cat([torch.cat([chunk, pairs + chunk]) for chunk in chunks])
+
+
+def whole_pairs(batch: dict[str, torch.Tensor], order: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
+    """`batch` with its rows in `order` (`pair_order`), right-padded to `length` tokens: the stages exchange
+    activations of the shape they were built for, every batch alike."""
     batch = {key: value[order.to(value.device)] if key in ROWS else value for key, value in batch.items()}
     rows, have = batch["input_ids"].shape
     # Past `length` a row holds padding alone (no sequence is longer); below, more padding: never a target, and after
@@ -70,6 +70,14 @@ class PipelinePairs:
         self.scale = 1.0  # of a microbatch's loss: the microbatches' mean, over accumulation
         self.chosen_targets: torch.Tensor | None = None
         self.reference_schedule: Any = None  # a frozen copy's stages (the strategy builds them), else the model's
+        self.schedule: Any = None
+        self.stage_args: Any = None
+        self.last: int | None = None
+
+    def bind(self, schedule: Any, stage_args: Any, last: int | None) -> None:
+        """Run through the strategy's `schedule`, the first stage's arguments from `stage_args(batch, inputs)`, `last`
+        the global rank of the last stage when this rank holds it (else None)."""
+        self.schedule, self.stage_args, self.last = schedule, stage_args, last
 
     def check(self, datamodule: Any = None) -> None:
         """Refuse, before launch, what the pipeline cannot do in preference tuning (on `datamodule`'s batches)."""
@@ -93,12 +101,9 @@ class PipelinePairs:
         self.sums[index] = sums
         return loss * self.scale
 
-    def run(
-        self, batch: dict[str, torch.Tensor], train: bool, schedule: Any, stage_args: Any, last: int | None
-    ) -> tuple[torch.Tensor, int]:
-        """One step over `batch`'s pairs through the strategy's `schedule`, the first stage's arguments from
-        `stage_args(batch, inputs)`, `last` the global rank of the last stage when this rank holds it (else None):
-        `(this rank's metric sums, the pairs)`, the same on every stage."""
+    def _arrange(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, tuple, Any]:
+        """`(batch in whole-pair microbatches, its row order, the first stage's arguments, the last stage's targets)`;
+        the microbatches' targets located for `loss`."""
         strategy, module = self.strategy, self.strategy.lightning_module
         if strategy.resolved.plan.auxiliary_loss is not None:
             raise ConfigError(
@@ -111,36 +116,66 @@ class PipelinePairs:
                 "preference tuning under pipelines needs the pairs' max_length to give every batch one shape: train "
                 "on a parallelkit.data.PreferenceDataModule (trainer.fit(model, datamodule=...))."
             )
-        batch = whole_pairs(batch, strategy.microbatches, length)
-        inputs, target = batch["input_ids"], batch["labels"]
-        args = stage_args(batch, inputs)
-        target = target if last is not None else None
-        self.references, self.sums, self.chosen_targets = {}, {}, batch["chosen_targets"]
+        order = pair_order(batch["pair_index"].shape[0], strategy.microbatches)
+        batch = whole_pairs(batch, order, length)
         labels = batch["labels"]
+        self.references, self.sums, self.chosen_targets = {}, {}, batch["chosen_targets"]
         self.first = (
             labels.data_ptr(),
             labels.stride(0) * labels.element_size() * (len(labels) // strategy.microbatches),
         )
-        if self.reference_schedule is not None:  # a frozen copy's stages
-            reference, context = self.reference_schedule, nullcontext()
-        else:  # the model's own, in the context the model gives (its adapters off), or none (SimPO)
-            reference, context = schedule, module.pipeline_reference()
+        args = self.stage_args(batch, batch["input_ids"])
+        return batch, order, args, labels if self.last is not None else None
+
+    def _reference_pass(self, schedule: Any, context: Any, args: tuple, target: Any) -> None:
+        """A forward-only pass of `schedule` in `context`: the last stage keeps each microbatch's log-probs."""
+        self.mode = "reference"
         try:
-            if context is not None:
-                self.mode = "reference"
-                with torch.no_grad(), context, strategy.loss_context():
-                    reference.eval(*args, target=target, return_outputs=False)
-            self.mode = "policy"
+            with torch.no_grad(), context, self.strategy.loss_context():
+                schedule.eval(*args, target=target, return_outputs=False)
+        finally:
+            self.mode = None
+
+    def reference_logps(self, batch: dict[str, torch.Tensor], context: Any) -> torch.Tensor:
+        """The log-probs of `batch`'s rows (in its own order) by the model's stages in `context`, on every stage: what
+        a precomputed reference stores."""
+        arranged, order, args, target = self._arrange(batch)
+        self._reference_pass(self.schedule, context, args, target)
+        rows = arranged["input_ids"].shape[0]
+        found = (
+            torch.cat([self.references[j] for j in range(self.strategy.microbatches)])
+            if self.last is not None
+            else torch.zeros(rows, device=self.strategy.root_device)
+        )
+        dist.broadcast(found, src=self.strategy.last_stage_rank, group=self.strategy.pp_group)
+        logps = torch.empty_like(found)
+        logps[order.to(found.device)] = found
+        return logps
+
+    def run(self, batch: dict[str, torch.Tensor], train: bool) -> tuple[torch.Tensor, int]:
+        """One step over `batch`'s pairs through the strategy's schedule: `(this rank's metric sums, the pairs)`, the
+        same on every stage."""
+        strategy, module = self.strategy, self.strategy.lightning_module
+        stored = module.stored_reference(batch, "train" if train else "val")  # precomputed log-probs, or None
+        batch, order, args, target = self._arrange(batch)
+        if stored is not None:
+            self.references = dict(enumerate(stored[order.to(stored.device)].chunk(strategy.microbatches)))
+        elif self.reference_schedule is not None:  # a frozen copy's stages
+            self._reference_pass(self.reference_schedule, nullcontext(), args, target)
+        elif (context := module.pipeline_reference()) is not None:  # the model's own, its adapters off
+            self._reference_pass(self.schedule, context, args, target)
+        self.mode = "policy"
+        try:
             accumulate = module.trainer.accumulate_grad_batches if train else 1
             self.scale = 1 / (strategy.microbatches * accumulate)
-            run = schedule.step if train else schedule.eval
+            run = self.schedule.step if train else self.schedule.eval
             with strategy.loss_context():
                 run(*args, target=target, losses=[], return_outputs=False)
         finally:
             self.mode = None
         total = (
             torch.stack(list(self.sums.values())).sum(0)
-            if last is not None
+            if self.last is not None
             else torch.zeros(module.PREFERENCE_SUMS, device=strategy.root_device)
         )
         dist.broadcast(total, src=strategy.last_stage_rank, group=strategy.pp_group)
