@@ -17,8 +17,8 @@ Each variant is its own torchrun job (peak memory is per process), the variants 
 chosen and rejected, over the job), each rank's peak resident memory (CPU) or allocated memory (GPU).
 
 The references, (a) again for `copy`, `adapters` (LoRA rank 16 on the attention; the base with its adapters off),
-`precomputed` (the log-probs computed once before training) and `none` (SimPO): each rank's bytes of the model's parameters, gradients and optimizer state, and of the reference, from
-the live tensors, and the peak memory. Writes results/preference.json.
+`precomputed` (the log-probs computed once before training) and `none` (SimPO): each rank's bytes of the model's
+parameters, gradients and optimizer state, and of the reference, from the live tensors, and the peak memory. Writes results/preference.json.
 
 Needs the extras: pip install -e ".[hf,sft,bench]".
 """

@@ -145,9 +145,9 @@ class ModelProfile:
     a model with none (no cp): Ulysses needs them divisible by cp x tp."""
     reference: str | None = None
     """Preference tuning's reference (`parallelkit.models.preference.reference_source`): "copy" holds the parameters
-    once more (no gradients, no optimizer state), "adapters" nothing, either one more forward a step; "precomputed" and
-    "none" (SimPO) neither. None: not preference tuning. Under pipelines the copy is split into the model's stages: each stage's
-    parameters once more."""
+    once more (no gradients, no optimizer state), "adapters" nothing, either one more forward a step; "precomputed"
+    and "none" (SimPO) neither. None: not preference tuning. Under pipelines the copy is split into the model's
+    stages: each stage's parameters once more."""
 
     @property
     def params(self) -> int:
