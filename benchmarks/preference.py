@@ -18,7 +18,8 @@ chosen and rejected, over the job), each rank's peak resident memory (CPU) or al
 
 The references, (a) again for `copy`, `adapters` (LoRA rank 16 on the attention; the base with its adapters off),
 `precomputed` (the log-probs computed once before training) and `none` (SimPO): each rank's bytes of the model's
-parameters, gradients and optimizer state, and of the reference, from the live tensors, and the peak memory. Writes results/preference.json.
+parameters, gradients and optimizer state, and of the reference, from the live tensors, and the peak memory.
+Writes results/preference.json.
 
 Needs the extras: pip install -e ".[hf,sft,bench]".
 """
