@@ -14,7 +14,17 @@ import torch
 import yaml
 from models import TorchOptimizers
 from snippets import parallelkit_args, snippet
-from support import REPO, assert_ok, assert_same_losses, callback, checkpoint_every, common, fit, step_losses
+from support import (
+    REPO,
+    assert_ok,
+    assert_same_losses,
+    callback,
+    checkpoint_every,
+    common,
+    fit,
+    parallelkit,
+    step_losses,
+)
 
 from parallelkit.errors import ConfigError
 from parallelkit.models import GPT, HFCausalLM
@@ -220,3 +230,35 @@ def test_the_rule_takes_linear_weights_and_experts_and_one_process_is_torchs_own
     ours.pipeline_loss(ours(tokens[:, :-1]), tokens[:, 1:]).backward()
     with pytest.raises(ConfigError, match=r"does not know which parameters are matrices.*Fix: Muon\(self"):
         bare.step()
+
+
+def test_torchs_name_takes_parallelkits_options_and_a_config_naming_torchs_class_is_told_which(tmp_path):
+    """`--optimizer=torch.optim.Muon --optimizer.adamw_lr=...` (the guide lists `adamw_lr` right after saying torch's
+    name runs as parallelkit's) is parallelkit.Muon with that option; a config file whose class_path is torch's and
+    sets `adamw_lr` is refused naming the class that takes it."""
+    from parallelkit.cli.lightning_cli import torch_muon_as_ours
+
+    for given in (["--optimizer=torch.optim.Muon"], ["--optimizer", "torch.optim.Muon"]):
+        assert "parallelkit.Muon" in torch_muon_as_ours([*given, "--optimizer.adamw_lr=0.001"])[len(given) - 1]
+    printed = parallelkit(
+        "fit",
+        "--config",
+        str(REPO / "configs/hybrid.yaml"),
+        *OURS,
+        "--optimizer.adamw_lr=0.001",
+        "--print_config",
+        cwd=tmp_path,
+    )
+    assert_ok(printed)
+    optimizer = yaml.safe_load(printed.stdout)["optimizer"]
+    assert optimizer["class_path"] == "parallelkit.Muon" and optimizer["init_args"]["adamw_lr"] == 0.001
+
+    config = tmp_path / "muon.yaml"
+    config.write_text(
+        yaml.safe_dump({"optimizer": {"class_path": "torch.optim.Muon", "init_args": {"adamw_lr": 1e-3}}})
+    )
+    refused = parallelkit("fit", "--config", str(REPO / "configs/hybrid.yaml"), "--config", str(config), cwd=tmp_path)
+    assert refused.returncode != 0
+    message = " ".join(refused.stderr.split())
+    assert "adamw_lr is an option of parallelkit.Muon, which runs torch.optim.Muon" in message, message[-2000:]
+    assert "Fix: class_path: parallelkit.Muon" in message and "Traceback" not in refused.stderr

@@ -151,7 +151,7 @@ class ParallelkitCLI(LightningCLI):
         paragraph: `parse_error`), then refuse a --ckpt_path that is not a checkpoint to resume from, before launch
         (so in one process, not every rank) and before LightningCLI reads a checkpoint file's hyperparameters."""
         argv = list(sys.argv[1:] if args is None else args)
-        expanded = strategy_name_as_class(argv)
+        expanded = strategy_name_as_class(torch_muon_as_ours(argv))
         try:
             with warnings.catch_warnings():  # "args and command line arguments": ours are sys.argv's, expanded
                 warnings.filterwarnings("ignore", message=".*args parameter is intended to run from within Python")
@@ -250,6 +250,12 @@ def parse_error(message: str, parser: Any, args: Sequence[str]) -> ConfigError:
         accepted = _init_options(owner.group(1)) if owner else []
         close = difflib.get_close_matches(option.group(1), accepted, n=1)
         named = f"{owner.group(1)} " if owner else ""
+        if owner and owner.group(1) == "torch.optim.Muon" and option.group(1) in _init_options("parallelkit.Muon"):
+            return ConfigError(
+                f"{field} is an option of parallelkit.Muon, which runs torch.optim.Muon, not of torch.optim.Muon "
+                "itself, which a config file names. Fix: class_path: parallelkit.Muon in the config (on the command "
+                "line, --optimizer=torch.optim.Muon takes it)."
+            )
         return ConfigError(
             f"{field} is not an option of {named or 'its class '}(it takes {', '.join(accepted) or 'no options'})."
             f"{f' Did you mean {close[0]!r}?' if close else ''} Fix: rename the key in the config or on the command "
@@ -299,6 +305,27 @@ def check_strategy_name(name: str) -> None:
     )
 
 
+def torch_muon_as_ours(args: list[str]) -> list[str]:
+    """`args` with `--optimizer=torch.optim.Muon` (or `--optimizer torch.optim.Muon`, `--optimizer.class_path=...`)
+    naming `parallelkit.Muon`, which runs it (`_muon_for_torchs`), before jsonargparse reads the options that follow
+    against a class: parallelkit's own (`adamw_lr`, ...) are then accepted with torch's name too."""
+    swapped = list(args)
+    for index, arg in enumerate(args):
+        if arg in ("--optimizer=torch.optim.Muon", "--optimizer.class_path=torch.optim.Muon"):
+            swapped[index] = arg.replace("torch.optim.Muon", "parallelkit.Muon")
+        elif arg in ("--optimizer", "--optimizer.class_path") and args[index + 1 : index + 2] == ["torch.optim.Muon"]:
+            swapped[index + 1] = "parallelkit.Muon"
+    if swapped != args:
+        rank_zero_info(MUON_AS_OURS)
+    return swapped
+
+
+MUON_AS_OURS = (
+    "--optimizer=torch.optim.Muon: parallelkit.Muon runs it on the hidden matrices (linear layers' weights but the "
+    "output layer's, experts per expert, LoRA adapters) and AdamW on the rest."
+)
+
+
 def _muon_for_torchs(config: Any) -> None:
     """`--optimizer=torch.optim.Muon` runs as `parallelkit.Muon`: torch's takes 2-D parameters alone (it refuses a
     model's norms and biases), parallelkit's runs torch's Muon on the hidden matrices and AdamW on the rest, with the
@@ -306,7 +333,4 @@ def _muon_for_torchs(config: Any) -> None:
     optimizer = config.get("optimizer") if hasattr(config, "get") else None
     if optimizer is not None and getattr(optimizer, "class_path", None) == "torch.optim.Muon":
         optimizer.class_path = "parallelkit.Muon"
-        rank_zero_info(
-            "--optimizer=torch.optim.Muon: parallelkit.Muon runs it on the hidden matrices (linear layers' weights "
-            "but the output layer's, experts per expert, LoRA adapters) and AdamW on the rest."
-        )
+        rank_zero_info(MUON_AS_OURS)
