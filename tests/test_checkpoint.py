@@ -580,6 +580,36 @@ def test_ctrl_c_while_the_ranks_start_ends_the_job_with_one_line(tmp_path, corpu
     assert not list(logs.rglob("metrics.csv")) and not list(logs.rglob("*.ckpt"))
 
 
+def test_ctrl_c_in_the_first_seconds_of_the_real_command_ends_it_with_one_line(tmp_path, corpus):
+    """`parallelkit fit --config configs/hybrid.yaml` itself (its console script: start-up is what is under test),
+    SIGINT to its process group at moments of its start-up (Python starting, torch and Lightning loading, the ranks
+    starting), from a script's background job, whose parent ignores SIGINT (the job inherits that: Ctrl-C in its
+    first seconds went unheard and the job trained on), and from a terminal. Each ends with 130 and rank 0's line,
+    nothing left running."""
+    args = ["parallelkit", "fit", "--config", str(REPO / "configs" / "hybrid.yaml"), *common(corpus, tmp_path / "c")]
+    for moment, parent_ignores in ((0.5, True), (1.5, False), (3.0, True)):
+        job = subprocess.Popen(
+            [*args, f"--trainer.logger.init_args.save_dir={tmp_path / str(moment)}"],
+            cwd=tmp_path,
+            env=subprocess_env(),
+            start_new_session=True,
+            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if parent_ignores else None,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            time.sleep(moment)
+            os.killpg(job.pid, signal.SIGINT)
+            _, stderr = job.communicate(timeout=120)
+        finally:
+            kill_session(job.pid)
+        assert job.returncode == 130, (moment, stderr[-3000:])
+        said = [line for line in stderr.splitlines() if "nterrupt" in line]
+        assert said == ["parallelkit: interrupted before training started: nothing was trained or saved."], stderr
+        assert not session(job.pid), moment
+
+
 def test_the_progress_bar_of_a_resumed_run_counts_to_the_end_of_its_epoch():
     """The bar counts the batch index in the epoch, which a run resumed mid-epoch continues: its total is the epoch's
     batches up to `max_steps`, from the epoch's first batch. Lightning's counted the steps left from where the run

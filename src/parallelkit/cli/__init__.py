@@ -119,6 +119,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     launcher_pid = os.getppid()
     run = args[0] if args and args[0] in RUNS else None
     interrupted, armed = 128 + signal.SIGINT, False
+    if run is not None:
+        # Ctrl-C heard from the first instant, until CTRL_C is armed as Python's KeyboardInterrupt (handled below):
+        # also in a job whose parent ignores SIGINT (a script's background job), which armed CTRL_C hears later.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     quiet_known_noise()  # before a tool or a model imports transformers, which imports torchao
     try:
         if args and args[0] in TOOLS:
