@@ -14,13 +14,13 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
+from parallelkit.adapters.lora import LoRA, add_adapters
 from parallelkit.data import GlobalBatchSampler, TextDataModule
-from parallelkit.lora import LoRA, add_adapters
 from parallelkit.memory import local_bytes, training_state_bytes
 from parallelkit.mesh import data_parallel_group
 from parallelkit.models import HFCausalLM
 from parallelkit.models.gpt import GPT, MLP, Attention, Block
-from parallelkit.muon import Muon
+from parallelkit.optimizers.muon import Muon
 
 TINY_LLAMA = {
     "vocab_size": 256,
@@ -489,8 +489,8 @@ class NF4Shards(L.Callback):
         self.out_dir = out_dir
 
     def on_train_start(self, trainer, pl_module) -> None:
+        from parallelkit.adapters.nf4 import EXPERTS_SUFFIX, is_nf4
         from parallelkit.compat import local_box
-        from parallelkit.quantize import EXPERTS_SUFFIX, is_nf4
 
         shards = {}
         for name, param in pl_module.named_parameters():
@@ -734,7 +734,7 @@ class PeftCausalLM(HFCausalLM):
     Built as `HFCausalLM(config, lora=...)` builds itself (so the run's seed draws the same base weights and
     adapters), then its network is a fresh transformers model of the same config holding those base weights, with
     PEFT's adapters (`LoraConfig(target_modules=<the linear targets>, target_parameters=<the experts' ones>)`) given
-    parallelkit's initial values (`parallelkit.lora_experts.peft_names`)."""
+    parallelkit's initial values (`parallelkit.adapters.experts.peft_names`)."""
 
     def __init__(
         self, config: dict | str | None = None, pretrained: str | None = None, lora: LoRA | None = None
@@ -744,9 +744,9 @@ class PeftCausalLM(HFCausalLM):
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
+        from parallelkit.adapters.experts import expert_parameters, peft_names
+        from parallelkit.adapters.lora import as_lora, is_adapter
         from parallelkit.contract import matches_suffix
-        from parallelkit.lora import as_lora, is_adapter
-        from parallelkit.lora_experts import expert_parameters, peft_names
 
         super().__init__(config=config, pretrained=pretrained, lora=lora)
         lora = as_lora(lora)
@@ -840,7 +840,7 @@ class TorchOptimizers:
 
 class TorchMuon(Muon):
     """The reference for `parallelkit.Muon` in one process: `TorchOptimizers` on the same split of the parameters
-    (`parallelkit.muon.hidden_matrices`)."""
+    (`parallelkit.optimizers.muon.hidden_matrices`)."""
 
     _torch: TorchOptimizers | None = None
 

@@ -64,8 +64,8 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 def test_the_finder_sees_a_cycle_through_an_import_inside_a_function_or_for_types_only():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
-    body = "def f():\n    from parallelkit.lora import LoRA\n"
-    assert "parallelkit.lora" in imports_of_text(body)
+    body = "def f():\n    from parallelkit.adapters.lora import LoRA\n"
+    assert "parallelkit.adapters.lora" in imports_of_text(body)
     typing_only = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from parallelkit.mesh import MeshSpec\n"
     assert "parallelkit.mesh" in imports_of_text(typing_only)
 
@@ -88,7 +88,8 @@ def test_the_contract_imports_nothing_of_ours_and_the_parallel_code_no_lora_or_s
     parallel = {name: deps for name, deps in GRAPH.items() if name.startswith("parallelkit.parallel")}
     assert parallel, "no parallel package"
     for name, deps in parallel.items():
-        wrong = {d for d in deps if d.startswith(("parallelkit.lora", "parallelkit.strategies", "parallelkit.models"))}
+        adapters = ("parallelkit.adapters.lora", "parallelkit.adapters.experts")  # NF4 storage is no adapter
+        wrong = {d for d in deps if d.startswith((*adapters, "parallelkit.strategies", "parallelkit.models"))}
         assert not wrong, f"{name} imports {wrong}: a technique knows the contract, not models, LoRA or strategies"
 
 
@@ -128,7 +129,7 @@ def calls(path: Path, function: str) -> int:
 
 def test_the_declared_plan_is_read_in_resolve_alone_and_at_build_time_by_lora():
     readers = {module_name(path) for path in MODULES.values() if calls(path, "declared_plan")}
-    assert readers == {"parallelkit.parallel.resolve", "parallelkit.lora"}, readers
+    assert readers == {"parallelkit.parallel.resolve", "parallelkit.adapters.lora"}, readers
     resolvers = {module_name(path) for path in MODULES.values() if calls(path, "resolve")}
     # The strategies (once per process), the planner (once per model), the monitors under a strategy that resolves
     # none, and `parallelize` called outside a strategy.
@@ -147,3 +148,38 @@ def test_no_module_is_over_450_lines():
     sizes = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
     crowded = {name: lines for name, lines in sizes.items() if lines > 450}
     assert not crowded, f"modules over 450 lines: {crowded}"
+
+
+MOVED = {
+    "parallelkit.lora": "parallelkit.adapters.lora",
+    "parallelkit.lora_experts": "parallelkit.adapters.experts",
+    "parallelkit.quantize": "parallelkit.adapters.nf4",
+    "parallelkit.muon": "parallelkit.optimizers.muon",
+    "parallelkit.optim": "parallelkit.optimizers.compiled",
+    "parallelkit.grad_norm": "parallelkit.optimizers.grad_norm",
+}
+
+
+def test_the_rooms_that_moved_into_adapters_and_optimizers_keep_their_old_import_paths():
+    """An old path is the new module itself (the same object: what a user patched or imported from either is one
+    thing), the packages' doors hand on their public names without loading the other rooms, and the old modules hold
+    nothing of their own (no circle through them, no second copy of a name)."""
+    import importlib
+    import subprocess
+    import sys
+
+    from support import subprocess_env
+
+    for old, new in MOVED.items():
+        assert importlib.import_module(old) is importlib.import_module(new), old
+        assert GRAPH[old] == {new, new.rpartition(".")[0]}, (old, GRAPH[old])
+    import parallelkit
+    from parallelkit import adapters, optimizers
+    from parallelkit.lora import LoRA
+    from parallelkit.muon import Muon
+
+    assert adapters.LoRA is LoRA and optimizers.Muon is Muon is parallelkit.Muon
+    code = "import sys, parallelkit.adapters.nf4, parallelkit.optimizers.grad_norm\nprint(sorted(m for m in sys.modules"
+    code += " if m.startswith(('parallelkit.adapters.', 'parallelkit.optimizers.'))))"
+    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env())
+    assert loaded.stdout.split() == ["['parallelkit.adapters.nf4',", "'parallelkit.optimizers.grad_norm']"], loaded

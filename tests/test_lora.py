@@ -1,6 +1,6 @@
-"""LoRA fine-tuning (`parallelkit.lora`) of a pretrained Hugging Face Llama under fsdp x tp and pipeline layouts:
-per-step losses equal to one process's, adapters split as their layers are, checkpoints of the adapters that resume
-exactly in any layout, and adapters exported in PEFT's format that peft loads with the same outputs."""
+"""LoRA fine-tuning (`parallelkit.adapters.lora`) of a pretrained Hugging Face Llama under fsdp x tp and pipeline
+layouts: per-step losses equal to one process's, adapters split as their layers are, checkpoints of the adapters that
+resume exactly in any layout, and adapters exported in PEFT's format that peft loads with the same outputs."""
 
 import json
 
@@ -22,10 +22,10 @@ from support import (
 )
 from transformers import AutoModelForCausalLM
 
+from parallelkit.adapters.lora import LoRALinear, add_adapters
 from parallelkit.checkpoint import MODEL_PREFIX, CheckpointError, consolidate, read_metadata
 from parallelkit.errors import ConfigError
 from parallelkit.init import materialize, meta_parameters
-from parallelkit.lora import LoRALinear, add_adapters
 from parallelkit.models import GPT, HFCausalLM
 from parallelkit.models.hf_export import export_hf
 

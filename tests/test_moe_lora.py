@@ -22,9 +22,9 @@ from support import (
 )
 from test_moe import LAYOUTS as MOE_LAYOUTS
 
+from parallelkit.adapters.experts import expert_parameters
+from parallelkit.adapters.lora import add_adapters
 from parallelkit.errors import ConfigError
-from parallelkit.lora import add_adapters
-from parallelkit.lora_experts import expert_parameters
 from parallelkit.models import HFCausalLM
 
 CONFIG = "moe.yaml"
@@ -159,7 +159,7 @@ def test_qlora_on_the_experts_stores_each_expert_as_torchaos_nf4_and_trains_as_o
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
     from transformers import AutoModelForCausalLM
 
-    from parallelkit.quantize import EXPERTS_SUFFIX, expert_nf4_parts, unpack_experts
+    from parallelkit.adapters.nf4 import EXPERTS_SUFFIX, expert_nf4_parts, unpack_experts
 
     command, flag, config, *overrides = parallelkit_args("moe-qlora", 0, **{"/data/qwen3-moe": str(pretrained_moe_nf4)})
     assert (command, flag, config) == ("fit", "--config", f"configs/{CONFIG}")
@@ -193,11 +193,11 @@ def test_the_planner_fits_qwen3_30b_a3b_qlora_on_two_80gb_devices_where_lora_bar
     QLoRA on 2 x 80 GB? Rank-16 adapters on attention and the experts, the base in NF4: the planner counts each
     expert's weights at their stored size and recommends a layout that fits with most of the devices free; with
     LoRA on the fp32 base the same layout does not fit, and what fits holds the base's 4 bytes a parameter."""
-    from parallelkit.lora import unquantized
+    from parallelkit.adapters.lora import unquantized
+    from parallelkit.adapters.nf4 import expert_nf4_bytes
     from parallelkit.memory import nf4_bytes
     from parallelkit.mesh import MeshSpec
     from parallelkit.planner import Hardware, Workload, recommend
-    from parallelkit.quantize import expert_nf4_bytes
 
     args = parallelkit_args("moe-qlora-plan")  # the guide's command: the sizes, and the adapters as it sets them
     assert args[:3] == ["plan", "--config", "configs/models/qwen3_30b_a3b.yaml"]

@@ -28,7 +28,7 @@ from support import (
 
 from parallelkit.errors import ConfigError
 from parallelkit.models import GPT, HFCausalLM
-from parallelkit.muon import Muon, hidden_matrices
+from parallelkit.optimizers.muon import Muon, hidden_matrices
 
 COMMAND, FLAG, GUIDE_CONFIG, *GUIDE = parallelkit_args("muon-fit")  # the guide's command (docs/guides/muon.md)
 OURS = tuple(GUIDE)  # torch's name and defaults, as users write it, run as parallelkit.Muon

@@ -5,7 +5,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from parallelkit.models import GPT
-from parallelkit.optim import compile_step
+from parallelkit.optimizers.compiled import compile_step
 
 
 def train(compiled: bool, steps: int = 6) -> tuple[list[float], list[int], torch.optim.Optimizer]:
@@ -80,7 +80,7 @@ def test_tp_without_fsdp_leaves_plain_parameters_that_a_foreach_update_takes_bes
 
     from parallelkit import parallelize
     from parallelkit.compat import fake_process_group
-    from parallelkit.optim import mixes_plain_and_dtensors, replicate_plain_tensors
+    from parallelkit.optimizers.compiled import mixes_plain_and_dtensors, replicate_plain_tensors
     from parallelkit.parallel import resolve
 
     with fake_process_group(rank=0, world_size=2):
@@ -120,7 +120,7 @@ def test_gradients_take_their_parameters_placements_after_backward_without_fsdp(
 
     from parallelkit import parallelize
     from parallelkit.compat import fake_process_group
-    from parallelkit.grad_norm import settle_gradients
+    from parallelkit.optimizers.grad_norm import settle_gradients
     from parallelkit.parallel import resolve
 
     with fake_process_group(rank=0, world_size=2):

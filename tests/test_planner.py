@@ -423,8 +423,8 @@ def test_an_nf4_expert_base_is_counted_at_its_stored_size_divided_with_its_exper
     NF4), on [[2, 2], ["fsdp", "ep"]]: the weights are LoRA's less each quantized weight's fp32 bytes plus its stored
     ones (an expert's row: codes, scales, factors, mean), a quarter per rank; gradients and optimizer state as
     LoRA's."""
+    from parallelkit.adapters.nf4 import expert_nf4_bytes
     from parallelkit.memory import nf4_bytes
-    from parallelkit.quantize import expert_nf4_bytes
 
     sizes = {"n_layer": 2, "n_head": 4, "n_embd": 64, "n_expert": 4, "top_k": 2}
     lora = {"rank": 4, "targets": ["attn.q", "experts.up", "experts.down"]}
@@ -484,7 +484,7 @@ def test_muon_keeps_one_state_per_matrix_element_and_adds_its_exchange_to_the_tr
     """`--optimizer muon` on [[4], ["fsdp"]]: the optimizer state is one fp32 buffer per element of the matrices Muon
     takes (`hidden_matrices`) and AdamW's two for the rest, each rank a quarter; the traffic gains each rank's shard
     of the matrices sent in fp32 and received in bf16, twice (its own, and the owner's share)."""
-    from parallelkit.muon import hidden_matrices
+    from parallelkit.optimizers.muon import hidden_matrices
 
     model = reference_gpt_on_meta()
     matrices = sum(model.get_parameter(name).numel() for name in hidden_matrices(model))

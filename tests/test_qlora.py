@@ -23,14 +23,14 @@ from support import (
 )
 from transformers import AutoModelForCausalLM
 
+from parallelkit.adapters.lora import quantized_names
+from parallelkit.adapters.nf4 import BLOCK, SCALER_BLOCK, quantization_scaler_block, scaler_block_size
 from parallelkit.checkpoint import consolidate
 from parallelkit.errors import ConfigError, PlanError
-from parallelkit.lora import quantized_names
 from parallelkit.memory import nf4_bytes
 from parallelkit.models import HFCausalLM
 from parallelkit.models.hf_export import export_hf
 from parallelkit.parallel import resolve
-from parallelkit.quantize import BLOCK, SCALER_BLOCK, quantization_scaler_block, scaler_block_size
 from parallelkit.strategies import FSDPTPStrategy
 
 CONFIG = "qlora.yaml"

@@ -36,7 +36,7 @@ _LAZY = {
     "resolve_comm_hook": "parallelkit.comm:resolve",
     "MeshSpec": "parallelkit.mesh",
     "data_parallel_mesh": "parallelkit.mesh",
-    "Muon": "parallelkit.muon",
+    "Muon": "parallelkit.optimizers.muon",
     "ResolvedPlan": "parallelkit.parallel",
     "parallelize": "parallelkit.parallel",
     "resolve": "parallelkit.parallel",

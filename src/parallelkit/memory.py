@@ -15,8 +15,8 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from parallelkit.adapters.nf4 import BLOCK, scaler_block_size
 from parallelkit.compat import saved_tensors_hooks_in_force, storage_key, view_base
-from parallelkit.quantize import BLOCK, scaler_block_size
 
 
 def local_bytes(t: torch.Tensor) -> int:

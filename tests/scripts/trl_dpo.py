@@ -79,8 +79,8 @@ def train(
         from peft import LoraConfig, get_peft_model
         from transformers import AutoModelForCausalLM
 
-        from parallelkit.lora import is_adapter
-        from parallelkit.lora_experts import peft_names
+        from parallelkit.adapters.experts import peft_names
+        from parallelkit.adapters.lora import is_adapter
 
         base = AutoModelForCausalLM.from_pretrained(args.pretrained, attn_implementation="sdpa")
         model = get_peft_model(

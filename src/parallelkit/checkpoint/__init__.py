@@ -23,9 +23,9 @@ from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from typing_extensions import override
 
+from parallelkit.adapters.lora import is_adapter
 from parallelkit.compat import dcp_metadata_global, model_class_name
 from parallelkit.errors import ConfigError, ParallelkitError
-from parallelkit.lora import is_adapter
 
 MODEL_PREFIX = "state_dict."
 """DCP key prefix of model tensors in a Lightning checkpoint directory (optimizer states use `optimizer_<i>.`)."""

@@ -17,6 +17,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch.distributed.checkpoint.state_dict import StateDictOptions
 from typing_extensions import override
 
+from parallelkit.adapters.lora import has_adapters, trainable_names
 from parallelkit.checkpoint import (
     check_compatible,
     load_meta,
@@ -27,7 +28,6 @@ from parallelkit.checkpoint import (
     staging_path,
 )
 from parallelkit.compat import logging_a_step
-from parallelkit.lora import has_adapters, trainable_names
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 """Optimizer state keyed per parameter name (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`): each rank saves

@@ -27,7 +27,7 @@ from parallelkit.compat import parser_keys
 from parallelkit.errors import ConfigError, ParallelkitError
 from parallelkit.init import meta_parameters
 from parallelkit.mesh import data_parallel_size
-from parallelkit.muon import Muon
+from parallelkit.optimizers.muon import Muon
 
 
 class ParallelkitCLI(LightningCLI):

@@ -254,6 +254,12 @@ def local_box(tensor: Tensor) -> tuple[Tensor, tuple[int, ...]]:
     return tensor.to_local(), tuple(chunk.offsets)
 
 
+def local_shard(tensor: Tensor) -> Tensor:
+    """This rank's part of `tensor`: a DTensor's local shard (outside autograd the shard itself, so in-place updates
+    change the DTensor), or a plain tensor itself."""
+    return local_box(tensor)[0]
+
+
 def dcp_metadata_global(module: str, name: str) -> Any | None:
     """The object a DCP `.metadata` pickle may name as `module.name`, or None for anything else.
 

@@ -17,10 +17,10 @@ import torch.nn.functional as F
 from torch import nn
 from typing_extensions import override
 
+from parallelkit.adapters.lora import QUANTIZED_TP_REFUSAL, LoRA, add_adapters, as_lora, config_dict
 from parallelkit.compat import grouped_mm, grouped_mm_runs
 from parallelkit.contract import ParallelPlan, packed_examples
 from parallelkit.errors import ConfigError
-from parallelkit.lora import QUANTIZED_TP_REFUSAL, LoRA, add_adapters, as_lora, config_dict
 from parallelkit.models.lm import CausalLM
 
 
@@ -191,7 +191,7 @@ class GPT(CausalLM):
         warmup_steps: Optimizer steps of linear warmup from 0 to `lr`.
         min_lr_ratio: The cosine decay ends at `lr * min_lr_ratio` on the run's last step.
         init_std: Standard deviation of the normal initialisation of weights.
-        lora: Low-rank adapters (`parallelkit.lora.LoRA`: rank, alpha, dropout, targets) on the targeted linear
+        lora: Low-rank adapters (`parallelkit.adapters.lora.LoRA`: rank, alpha, dropout, targets) on the targeted linear
             layers, every other parameter frozen. None: the whole model trains.
         n_expert: Experts per block's MLP, a mixture of experts (0: a dense MLP). Expert parallelism (an `ep` mesh
             axis) divides them; ep must divide n_expert.

@@ -15,11 +15,8 @@ import torch
 from torch import nn
 from typing_extensions import override
 
-from parallelkit.compat import hf_initialize, hf_supports_sdpa
-from parallelkit.contract import ParallelPlan
-from parallelkit.errors import ConfigError
-from parallelkit.init import building_on_meta, materialize, meta_parameters, set_whole
-from parallelkit.lora import (
+from parallelkit.adapters.experts import read_peft_adapters
+from parallelkit.adapters.lora import (
     LoRA,
     add_adapters,
     as_lora,
@@ -29,7 +26,10 @@ from parallelkit.lora import (
     quantized_names,
     reset_adapters,
 )
-from parallelkit.lora_experts import read_peft_adapters
+from parallelkit.compat import hf_initialize, hf_supports_sdpa
+from parallelkit.contract import ParallelPlan
+from parallelkit.errors import ConfigError
+from parallelkit.init import building_on_meta, materialize, meta_parameters, set_whole
 from parallelkit.models.hf_attention import use_split_attention
 from parallelkit.models.hf_config import _transformers, build_config
 from parallelkit.models.hf_convert import ConvertedWeights
@@ -60,10 +60,10 @@ class HFCausalLM(HFPlanMixin, HFStagesMixin, CausalLM):
         betas: AdamW betas.
         warmup_steps: Optimizer steps of linear warmup from 0 to `lr`.
         min_lr_ratio: The cosine decay ends at `lr * min_lr_ratio` on the run's last step.
-        lora: Low-rank adapters (`parallelkit.lora.LoRA`: rank, alpha, dropout, targets, e.g. `{rank: 8, targets:
-            [q_proj, k_proj, v_proj, o_proj]}`) on the targeted linear layers, every other parameter frozen: the base
-            weights (from `pretrained`, or the seed) never change, and checkpoints hold the adapters. None: full
-            fine-tuning.
+        lora: Low-rank adapters (`parallelkit.adapters.lora.LoRA`: rank, alpha, dropout, targets, e.g. `{rank: 8,
+            targets: [q_proj, k_proj, v_proj, o_proj]}`) on the targeted linear layers, every other parameter frozen:
+            the base weights (from `pretrained`, or the seed) never change, and checkpoints hold the adapters. None:
+            full fine-tuning.
         preference: Preference tuning (`parallelkit.models.preference.Preference`, TRL's names: loss_type, beta,
             label_smoothing, rpo_alpha, simpo_gamma, reference), trained on `parallelkit.data.PreferenceDataModule`
             pairs: DPO's sigmoid loss by default (`{beta: 0.1}`), IPO, robust DPO, or SimPO. The reference is the

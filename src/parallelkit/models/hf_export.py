@@ -19,6 +19,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import nn
 
+from parallelkit.adapters.experts import PEFT_PREFIX, adapted_weight, adapter_keys, peft_names
+from parallelkit.adapters.lora import is_adapter
 from parallelkit.checkpoint import (
     MODEL_PREFIX,
     CheckpointError,
@@ -31,8 +33,6 @@ from parallelkit.checkpoint import (
 from parallelkit.contract import matches_suffix
 from parallelkit.errors import ConfigError
 from parallelkit.init import tied_parameters
-from parallelkit.lora import is_adapter
-from parallelkit.lora_experts import PEFT_PREFIX, adapted_weight, adapter_keys, peft_names
 from parallelkit.models.hf_convert import ConvertedWeights
 from parallelkit.models.hf_io import INDEX, WEIGHTS, SafetensorsWeights
 

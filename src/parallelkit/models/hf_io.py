@@ -15,10 +15,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from parallelkit.adapters.nf4 import is_nf4
 from parallelkit.compat import local_box
 from parallelkit.errors import ConfigError
 from parallelkit.init import tied_parameters
-from parallelkit.quantize import is_nf4
 
 WEIGHTS = "model.safetensors"
 INDEX = "model.safetensors.index.json"

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from torch import nn
 
+from parallelkit.adapters.lora import QUANTIZED_TP_REFUSAL
 from parallelkit.compat import hf_ep_plan, hf_pp_plan, hf_tp_plan
 from parallelkit.contract import ParallelPlan, matches
 from parallelkit.errors import PlanError
-from parallelkit.lora import QUANTIZED_TP_REFUSAL
 from parallelkit.models.hf_families import CP_FAMILIES, PIPELINE_FAMILIES, TP_FAMILIES
 from parallelkit.models.hf_router import same_as_family
 

@@ -240,7 +240,7 @@ class PreferenceSteps:
         super().on_before_optimizer_step(optimizer)
         if self.preference is None:
             return
-        from parallelkit.grad_norm import global_grad_norm
+        from parallelkit.optimizers.grad_norm import global_grad_norm
 
         stages = getattr(self.trainer.precision_plugin, "stage_group", None)  # pipeline stages hold other parameters
         norm = global_grad_norm([p.grad for p in self.parameters() if p.grad is not None], stage_group=stages)

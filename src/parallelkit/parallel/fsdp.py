@@ -9,9 +9,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from parallelkit.adapters.nf4 import is_nf4
 from parallelkit.errors import PlanError
 from parallelkit.parallel.resolve import has_forward
-from parallelkit.quantize import is_nf4
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -50,11 +50,11 @@ class DataParallelWrap:
     fsdp: bool
     """FSDP2 wraps every root: its reduction settles gradients, and it holds them back while accumulating."""
     settle_gradients: bool
-    """No FSDP, and DTensor parameters: after each backward `parallelkit.grad_norm.settle_gradients` gives every
-    DTensor gradient its parameter's placements (not on accumulation micro-steps, where pending sums add up)."""
+    """No FSDP, and DTensor parameters: after each backward `parallelkit.optimizers.grad_norm.settle_gradients` gives
+    every DTensor gradient its parameter's placements (not on accumulation micro-steps, where pending sums add up)."""
     replicate_plain_tensors: bool
     """DTensors beside plain parameters: an optimizer that updates both takes the plain ones as replicated DTensors
-    (`parallelkit.optim.replicate_plain_tensors`; a foreach update refuses the mix)."""
+    (`parallelkit.optimizers.compiled.replicate_plain_tensors`; a foreach update refuses the mix)."""
 
     @classmethod
     def of(cls, modules: Iterable[nn.Module], *, fsdp: bool) -> DataParallelWrap:

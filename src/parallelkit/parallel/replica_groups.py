@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 import torch
 from torch.distributed.tensor import DTensor
 
+from parallelkit.compat import local_shard
 from parallelkit.errors import ConfigError, ParallelkitError
 
 MAX_RETRIES = 10
@@ -149,7 +150,7 @@ class GroupState:
     def state_dict(self) -> dict[str, Any]:
         return {
             "layout": self.layout,
-            "parameters": {name: _local(p).detach() for name, p in self.parameters.items()},
+            "parameters": {name: local_shard(p).detach() for name, p in self.parameters.items()},
             "optimizers": [_optimizer_state(optimizer) for optimizer in self.optimizers],
             "position": self.position,
         }
@@ -169,7 +170,7 @@ class GroupState:
             )
         with torch.no_grad():
             for name, param in self.parameters.items():
-                _local(param).copy_(state["parameters"][name])
+                local_shard(param).copy_(state["parameters"][name])
         for optimizer, saved in zip(self.optimizers, state["optimizers"]):
             optimizer.load_state_dict(_optimizer_state_back(saved, optimizer))
         self.healed = state["position"]
@@ -289,7 +290,7 @@ class ReplicaGroup:
         flat fp32 all-reduce (whatever the gradients' dtype, nothing is summed in bf16)."""
         if not self._layouts_checked:
             self._check_layouts()
-        grads = [_local(p.grad) for p in parameters if p.grad is not None]
+        grads = [local_shard(p.grad) for p in parameters if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1).float() for g in grads])
@@ -371,13 +372,9 @@ class CommitGate:
 def describe_layout(world_size: int, mesh: Any, parameters: dict[str, torch.nn.Parameter]) -> str:
     """What two groups' ranks must share to average their gradients and copy each other's state: the processes, the
     mesh, and this rank's shards of the trained parameters (names, shapes, dtypes; a digest)."""
-    shards = [(name, tuple(_local(p).shape), str(p.dtype)) for name, p in parameters.items()]
+    shards = [(name, tuple(local_shard(p).shape), str(p.dtype)) for name, p in parameters.items()]
     digest = hashlib.sha256(repr(shards).encode()).hexdigest()[:12]
     return f"{world_size} processes on mesh_shape {mesh}, {len(shards)} trained tensors (shards {digest})"
-
-
-def _local(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _reduce_op(name: Any) -> Any:
@@ -395,7 +392,7 @@ def _optimizer_state(optimizer: Any) -> dict[str, Any]:
     saved = optimizer.state_dict()
     state, layouts = {}, {}
     for index, entries in saved["state"].items():
-        state[index] = {key: _local(value) for key, value in entries.items()}
+        state[index] = {key: local_shard(value) for key, value in entries.items()}
         for key, value in entries.items():
             if isinstance(value, DTensor):
                 layouts[(index, key)] = (value.shape, value.stride(), value.placements)

@@ -191,8 +191,8 @@ def _replicate(share: _Share) -> None:
 
 def _muon(share: _Share) -> None:
     """With `--optimizer muon`, each matrix's update goes to its owner among the stage's ranks and its orthogonalised
-    shards come back (`parallelkit.muon`): per rank about its shard of every matrix sent in fp32 and received in bf16,
-    and as much again for the matrices it owns; counted on the stage's outermost axis."""
+    shards come back (`parallelkit.optimizers.muon`): per rank about its shard of every matrix sent in fp32 and
+    received in bf16, and as much again for the matrices it owns; counted on the stage's outermost axis."""
     ranks = [axis for axis, size in zip(share.spec.names, share.spec.sizes) if axis != "pp" and size > 1]
     if share.work.optimizer == "muon" and ranks:
         traffic = 2 * 6 * share.trained * _matrix_share(share.layers) / share.shards

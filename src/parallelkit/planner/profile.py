@@ -9,17 +9,17 @@ from typing import Any
 import torch
 from torch import nn
 
+from parallelkit.adapters.experts import unquantized_experts
+from parallelkit.adapters.lora import WHOLE_UNDER, LoRALinear, wants_nf4
+from parallelkit.adapters.nf4 import expert_nf4_bytes
 from parallelkit.compat import flash_attention_on_cpu
 from parallelkit.contract import GATHERING_STYLES, SHARDING_STYLES
 from parallelkit.errors import PlanError
-from parallelkit.lora import WHOLE_UNDER, LoRALinear, wants_nf4
-from parallelkit.lora_experts import unquantized_experts
 from parallelkit.memory import SavedTensorLedger, nbytes, nf4_bytes
 from parallelkit.models.preference import reference_source
-from parallelkit.muon import hidden_matrices
+from parallelkit.optimizers.muon import hidden_matrices
 from parallelkit.parallel.resolve import expand_tp, gathered_inside, resolve
 from parallelkit.planner.records import Layer, ModelProfile
-from parallelkit.quantize import expert_nf4_bytes
 
 _GROUPED_MM = (getattr(torch.nn.functional, "grouped_mm", None), getattr(torch, "_grouped_mm", None))
 

@@ -118,7 +118,7 @@ class Layer:
     """Parameters stored as NF4 (QLoRA's base weights), held, gathered and sent as `quantized_bytes` in all."""
     quantized_bytes: float = 0.0
     matrices: int = 0
-    """Trainable parameters `parallelkit.Muon` takes (`parallelkit.muon.hidden_matrices`): one state each."""
+    """Trainable parameters `parallelkit.Muon` takes (`parallelkit.optimizers.muon.hidden_matrices`): one state each."""
     quantized_experts: int = 0
     """Of `quantized`, the experts' (stored per expert, divided over ep with their experts), in
     `quantized_experts_bytes`."""

@@ -27,6 +27,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
+from parallelkit.adapters.lora import quantize_base, unquantized
 from parallelkit.callbacks.activations import ActivationMemoryMonitor
 from parallelkit.callbacks.comm import CommunicationMonitor
 from parallelkit.callbacks.monitors import RankMonitor
@@ -46,7 +47,6 @@ from parallelkit.compat import (
 )
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.init import draw_whole_in_hooks, has_meta_tensors, materialize, meta_parameters
-from parallelkit.lora import quantize_base, unquantized
 from parallelkit.mesh import AXES, MeshSpec
 from parallelkit.parallel import DataParallelWrap, ResolvedPlan, data_parallel_wrap, resolve
 from parallelkit.parallel.compile import compile_backends, cpp_compiler
@@ -86,11 +86,11 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
             "aot_eager"). Applied after tensor parallelism and activation checkpointing (traced inside each compiled
             block; not with tp > 1), before FSDP; parameter names are unchanged, so compiled and eager runs load
             each other's checkpoints.
-        compile_optimizer: Compile the optimizer's update too (`parallelkit.optim.compile_step`; `compile`'s backend,
-            inductor if that is off): one graph of fused kernels over the local shards instead of a dozen DTensor
-            operations per parameter (AdamW, 4 x 256 GPT on two CPU processes: 10.4 -> 3.3 ms a step). Compiles at
-            the first step (seconds to tens of seconds on the CPU); learning-rate schedules do not recompile it, and
-            checkpoints are an eager optimizer's.
+        compile_optimizer: Compile the optimizer's update too (`parallelkit.optimizers.compiled.compile_step`;
+            `compile`'s backend, inductor if that is off): one graph of fused kernels over the local shards instead
+            of a dozen DTensor operations per parameter (AdamW, 4 x 256 GPT on two CPU processes: 10.4 -> 3.3 ms a
+            step). Compiles at the first step (seconds to tens of seconds on the CPU); learning-rate schedules do not
+            recompile it, and checkpoints are an eager optimizer's.
         cpu_offload: Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP2; GPU runs).
         comm_precision: How gradients are reduced: a comm hook name ("fp32" default, "bf16", "fp16", "int8", or
             one a plugin registers) or a `parallelkit.comm.CommHook`.

@@ -9,7 +9,7 @@ from lightning.pytorch.plugins.precision import Precision
 from typing_extensions import override
 
 from parallelkit.errors import ConfigError
-from parallelkit.grad_norm import clip_grad_norm_
+from parallelkit.optimizers.grad_norm import clip_grad_norm_
 
 PRECISIONS = {"32-true": None, "bf16-mixed": torch.bfloat16, "bf16-true": torch.bfloat16}
 """Trainer precisions a parallelkit strategy runs, with the dtype FSDP2 computes in (None: fp32)."""

@@ -32,10 +32,10 @@ from parallelkit.compat import (
 )
 from parallelkit.contract import is_preference_batch
 from parallelkit.errors import ConfigError
-from parallelkit.grad_norm import settle_gradients
 from parallelkit.mesh import stage_group
-from parallelkit.muon import Muon
-from parallelkit.optim import compile_step, mixes_plain_and_dtensors, replicate_plain_tensors
+from parallelkit.optimizers.compiled import compile_step, mixes_plain_and_dtensors, replicate_plain_tensors
+from parallelkit.optimizers.grad_norm import settle_gradients
+from parallelkit.optimizers.muon import Muon
 from parallelkit.parallel.context_parallel import SequenceSplit, split_batch
 from parallelkit.parallel.replica_groups import CommitGate, GroupState, ReplicaGroup, describe_layout
 

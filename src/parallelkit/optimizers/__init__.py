@@ -1,0 +1,35 @@
+"""Optimizers and what runs around their step under any layout.
+
+Rooms:
+- `muon`: `Muon` (torch's Muon on the hidden matrices, whole across shards, AdamW on the rest) and `hidden_matrices`,
+  the rule that picks them;
+- `compiled`: the optimizer's update compiled (`compile_step`), and plain tensors replicated beside DTensors for a
+  foreach update;
+- `grad_norm`: the gradient's norm over every shard and stage (`global_grad_norm`, `clip_grad_norm_`), and the
+  gradients of tensor-parallel parameters settled without FSDP.
+
+The old paths (`parallelkit.muon`, `parallelkit.optim`, `parallelkit.grad_norm`) are these modules; `parallelkit.Muon`
+is `Muon`. The names below are handed on when first used, so importing one room loads no other.
+"""
+
+from importlib import import_module
+from typing import Any
+
+_NAMES = {
+    "Muon": "muon",
+    "hidden_matrices": "muon",
+    "compile_step": "compiled",
+    "global_grad_norm": "grad_norm",
+    "clip_grad_norm_": "grad_norm",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _NAMES:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(import_module(f"{__name__}.{_NAMES[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = sorted(_NAMES)
