@@ -32,6 +32,25 @@ warning a run prints: under pytest-xdist they run one after another on one worke
 meets a plugin half-installed."""
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--cpu-hogs",
+        type=int,
+        default=0,
+        help="start this many busy processes (one per core loads the machine) for the whole run: the suite must pass "
+        "on a loaded machine too (tests/README.md)",
+    )
+
+
+_HOGS: list = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    for hog in _HOGS:
+        hog.kill()
+        hog.wait()
+
+
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
     """`--dist loadfile` (pyproject's addopts), with SERIAL_FILES as one file: each worker runs whole files, so a
@@ -223,8 +242,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    """With PARALLELKIT_TEST_NO_PROCESSES=1, starting a process fails the test: how the `launch` marks are checked
-    (`PARALLELKIT_TEST_NO_PROCESSES=1 pytest -m "not launch" -p no:xdist`)."""
+    """With `--cpu-hogs=N`, N processes that spin on a core each until the run ends (started once, by the process
+    that runs the workers). With PARALLELKIT_TEST_NO_PROCESSES=1, starting a process fails the test: how the `launch`
+    marks are checked (`PARALLELKIT_TEST_NO_PROCESSES=1 pytest -m "not launch" -p no:xdist`)."""
+    count = session.config.getoption("cpu_hogs")
+    if count and not os.environ.get("PYTEST_XDIST_WORKER"):
+        import subprocess
+
+        _HOGS.extend(subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count))
     if os.environ.get("PARALLELKIT_TEST_NO_PROCESSES") == "1":
         import subprocess
 

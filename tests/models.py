@@ -10,6 +10,7 @@ import lightning as L
 import torch
 import torch.nn.functional as F
 from lightning.pytorch.callbacks import BasePredictionWriter
+from support import slack
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
@@ -668,7 +669,7 @@ class StartTogether(L.Callback):
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         (self.directory / str(os.getpid())).touch()
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + slack(120)
         while len(list(self.directory.iterdir())) < self.count and time.monotonic() < deadline:
             time.sleep(0.02)
         time.sleep(0.5)  # every group's heartbeat (each 100 ms) at the lighthouse before any asks for a quorum
@@ -686,7 +687,7 @@ class HoldAt(L.Callback):
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         if trainer.global_step != self.step or trainer.global_rank != 0:
             return
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + slack(120)
         while not self.path.exists():
             assert time.monotonic() < deadline, f"{self.path} never appeared"
             time.sleep(0.02)

@@ -8,7 +8,7 @@ import time
 
 import pytest
 from snippets import commands, parallelkit_args
-from support import FSDP4, REPO, TESTS, assert_ok, in_repo, parallelkit, run, torchrun
+from support import FSDP4, REPO, TESTS, assert_ok, in_repo, parallelkit, run, slack, torchrun
 
 from parallelkit.check.collectives import Measurement, axis_groups
 from parallelkit.check.live import Options, Result, judge
@@ -90,7 +90,7 @@ def test_a_rank_that_stalls_mid_check_is_named_with_its_call_and_nothing_hangs(t
     out = " ".join(proc.stdout.split())
     assert "rank 2 stopped answering during: all_gather of 64 KiB on the fsdp group of ranks 0, 2" in out
     assert "rank 3 waited in: all_reduce" in out
-    assert seconds < 120, seconds
+    assert seconds < slack(120), seconds  # the check's 5-second deadline ends it, not a hang
 
 
 def test_a_rank_on_another_kind_of_device_fails_the_check_naming_it(tmp_path):

@@ -23,6 +23,7 @@ from support import (
     in_repo,
     launch,
     parallelkit,
+    slack,
     step_losses,
 )
 
@@ -61,7 +62,7 @@ def running_lighthouse(directory, *options: str):
     assert command[:3] == ["lighthouse", "--port", "29510"]
     job = launch([*command[:2], str(free_port()), *command[3:], *options], cwd=directory)
     try:
-        deadline = time.time() + 60
+        deadline = time.time() + slack(60)
         while not (job.directory / "stdout").exists() or "lighthouse at " not in job.stdout():
             assert job.poll() is None and time.time() < deadline, job.stdout() + job.stderr()
             time.sleep(0.05)
@@ -185,7 +186,7 @@ def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
         ]
         with none_left(first) as jobs:
             assert jobs[1].wait(timeout=180) == -signal.SIGKILL, jobs[1].stderr()[-4000:]
-            deadline = time.monotonic() + 180
+            deadline = time.monotonic() + slack(180)
             while not alone.exists():
                 assert jobs[0].poll() is None and time.monotonic() < deadline, jobs[0].stderr()[-4000:]
                 time.sleep(0.02)
