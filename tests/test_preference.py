@@ -159,7 +159,6 @@ CHECKPOINT = checkpoint_every(Path("ckpt"), 3)
 LAYOUTS = {
     # the frozen reference sharded as the model: FSDP2 x tp with sequence and loss parallelism, meta_init
     "fsdp2_tp2": ("dpo", (*FSDP_TP, *VALIDATE, CHECKPOINT)),  # also validates, and checkpoints at step 3
-    "fsdp2_cp2_allgather": ("dpo", ('--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]', *FSDP_TP)),
     "fsdp2_cp2_ulysses": (
         "dpo",
         ('--trainer.strategy.mesh_shape=[[2, 2], ["fsdp", "cp"]]', "--trainer.strategy.cp_method=ulysses", *FSDP_TP),
@@ -178,7 +177,8 @@ LAYOUTS = {
         ),
     ),
     "lightning_ddp2": ("dpo", ("--trainer.strategy=ddp", "--trainer.devices=2", *FSDP_TP)),  # a whole copy per rank
-    # precomputed before the first step: each rank its pairs' share, cp's slices summed; checkpointed at step 3
+    # cp by all-gather (Ulysses above), the reference precomputed before the first step: each rank its pairs'
+    # share, cp's slices summed; checkpointed at step 3
     "precomputed_fsdp2_cp2": (
         "precomputed",
         (
