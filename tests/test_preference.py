@@ -176,6 +176,17 @@ LAYOUTS = {
             *FSDP_TP,
         ),
     ),
+    # pp x cp: rows padded to max_length before cp's split, each row's log-prob summed over cp on the last stage; the
+    # frozen copy's stages attend across cp as the model's
+    "1f1b_pp2_cp2": (
+        "dpo",
+        (
+            *PIPELINE[:1],
+            '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "cp"]]',
+            *PIPELINE[2:],
+            "--data.init_args.batch_size=4",
+        ),
+    ),
     "lightning_ddp2": ("dpo", ("--trainer.strategy=ddp", "--trainer.devices=2", *FSDP_TP)),  # a whole copy per rank
     # cp by all-gather (Ulysses above), the reference precomputed before the first step: each rank its pairs'
     # share, cp's slices summed; checkpointed at step 3

@@ -192,7 +192,7 @@ class PreferenceSteps:
 
     def microbatch_reference(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """The reference log-probs of a pipeline microbatch's rows (its last stage's output)."""
-        return SequenceScores(logits, labels, None, with_logits=False).logps.detach()
+        return SequenceScores(logits, labels, self._cp_group(), with_logits=False).logps.detach()
 
     def microbatch_loss(
         self,
@@ -203,15 +203,20 @@ class PreferenceSteps:
         microbatches: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """A pipeline microbatch's preference loss (the mean over its pairs; the NLL term its share of the global
-        micro-batch's token mean, times the microbatches the strategy averages over) and its metric sums."""
-        policy = SequenceScores(logits, labels, None)
+        micro-batch's token mean, times the microbatches the strategy averages over) and its metric sums. Under cp,
+        each row's log-prob is summed over the cp ranks' slices, as a step without pipelines sums it."""
+        cp_group = self._cp_group()
+        policy = SequenceScores(logits, labels, cp_group)
         losses, chosen, rejected = preference_loss(self.preference, policy, GivenLogps(reference))
         loss = losses.mean()
         if self.preference.rpo_alpha:
             replicas, _ = self._data_parallel()
             nll = -policy.logps.chunk(2)[0].sum() * replicas * microbatches / chosen_targets.clamp(min=1)
             loss = loss + self.preference.rpo_alpha * nll
-        return loss, metric_sums(loss, policy, (chosen, rejected), losses.shape[0])
+        sums = metric_sums(loss, policy, (chosen, rejected), losses.shape[0])
+        if cp_group is not None:
+            sums[:PAIR_SUMS] /= dist.get_world_size(cp_group)  # as `preference_scores`
+        return loss, sums
 
     def preference_training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, sums, pairs = self.preference_scores(batch)

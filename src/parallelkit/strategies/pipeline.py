@@ -246,6 +246,10 @@ class PipelineStrategy(ParallelkitStrategy):
         return resolved
 
     @override
+    def batch_to_device(self, batch: Any, device: Any = None, dataloader_idx: int = 0) -> Any:
+        return super().batch_to_device(self.pairs.padded(batch), device, dataloader_idx)  # pairs: one shape, then cp
+
+    @override
     def check_run(self, model: Any, datamodule: Any = None, accumulate_grad_batches: int = 1) -> None:
         super().check_run(model, datamodule, accumulate_grad_batches)
         if getattr(model, "preference", None) is not None:
@@ -308,7 +312,7 @@ class PipelineStrategy(ParallelkitStrategy):
         with self.loss_context():
             run(*args, target=target if self._has_last else None, losses=losses, return_outputs=False)
         if timed:
-            self._log_schedule_stats(*self._clock.stop())
+            self._clock.log(self.lightning_module, self._pp_group, self.root_device, self.theoretical_bubble)
         if self._has_last:
             loss = torch.stack([loss.detach().float() for loss in losses]).sum()
             loss = loss / self._reduction_size if tokens else loss * accumulate
@@ -327,19 +331,6 @@ class PipelineStrategy(ParallelkitStrategy):
     def theoretical_bubble(self) -> float | None:
         """The ideal schedule's idle fraction (`Schedule.theoretical_bubble`)."""
         return self.pipeline.theoretical_bubble
-
-    def _log_schedule_stats(self, busy: float, wall: float) -> None:
-        group = self._pp_group
-        times = [torch.zeros(2, device=self.root_device) for _ in range(self.pp_size)]
-        dist.all_gather(times, torch.tensor([busy, wall], device=self.root_device), group=group)
-        module = self.lightning_module
-        for rank, (rank_busy, rank_wall) in enumerate(times):
-            module.log(f"pp_busy_s/rank{rank}", rank_busy.item(), on_step=True, rank_zero_only=True)
-            module.log(f"pp_bubble/rank{rank}", 1 - (rank_busy / rank_wall).item(), on_step=True, rank_zero_only=True)
-        bubble = 1 - sum(b for b, _ in times).item() / sum(w for _, w in times).item()
-        module.log("pp_bubble", bubble, on_step=True, prog_bar=True, rank_zero_only=True)
-        if self.theoretical_bubble is not None:
-            module.log("pp_bubble_theory", self.theoretical_bubble, on_step=True, rank_zero_only=True)
 
     @contextmanager
     @override

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from parallelkit.contract import IGNORE_INDEX
+from parallelkit.contract import IGNORE_INDEX, is_preference_batch
 from parallelkit.errors import ConfigError
 
 ROWS = ("input_ids", "labels", "position_ids")
@@ -44,13 +44,17 @@ def pair_order(pairs: int, microbatches: int) -> torch.Tensor:
     return torch.cat([torch.cat([chunk, pairs + chunk]) for chunk in chunks])
 
 
-def whole_pairs(batch: dict[str, torch.Tensor], order: torch.Tensor, length: int) -> dict[str, torch.Tensor]:
-    """`batch` with its rows in `order` (`pair_order`), right-padded to `length` tokens: the stages exchange
-    activations of the shape they were built for, every batch alike."""
-    batch = {key: value[order.to(value.device)] if key in ROWS else value for key, value in batch.items()}
+def whole_pairs(batch: dict[str, torch.Tensor], order: torch.Tensor) -> dict[str, torch.Tensor]:
+    """`batch` with its rows in `order` (`pair_order`)."""
+    return {key: value[order.to(value.device)] if key in ROWS else value for key, value in batch.items()}
+
+
+def padded(batch: dict[str, torch.Tensor], length: int) -> dict[str, torch.Tensor]:
+    """A preference batch's rows right-padded (or cut) to `length` tokens, before a cp split: the stages exchange
+    activations of the shape they were built for, every batch alike. Past `length` a row holds padding alone (no
+    sequence is longer); below, more padding: never a target, and after every real token of its row."""
     rows, have = batch["input_ids"].shape
-    # Past `length` a row holds padding alone (no sequence is longer); below, more padding: never a target, and after
-    # every real token of its row.
+    batch = dict(batch)
     for key, fill in (("input_ids", 0), ("labels", IGNORE_INDEX)):
         batch[key] = torch.nn.functional.pad(batch[key][:, :length], (0, max(length - have, 0)), value=fill)
     batch["position_ids"] = torch.arange(length, device=batch["input_ids"].device).expand(rows, length).contiguous()
@@ -83,10 +87,19 @@ class PipelinePairs:
         """Refuse, before launch, what the pipeline cannot do in preference tuning (on `datamodule`'s batches)."""
         if getattr(datamodule, "batch_size", None) is not None:
             check_pairs(datamodule.batch_size, self.strategy.microbatches)
-        if self.strategy.mesh_spec.cp_size > 1:
+
+    def padded(self, batch: Any) -> Any:
+        """A preference batch padded to the pairs' `max_length` (`padded`), before the strategy's cp split; any
+        other batch as it is."""
+        if not is_preference_batch(batch):
+            return batch
+        length = getattr(getattr(self.strategy.lightning_module.trainer, "datamodule", None), "seq_len", None)
+        if length is None:
             raise ConfigError(
-                "preference tuning under pipelines with a cp axis: not done yet. Fix: pp without cp, or cp without pp."
+                "preference tuning under pipelines needs the pairs' max_length to give every batch one shape: train "
+                "on a parallelkit.data.PreferenceDataModule (trainer.fit(model, datamodule=...))."
             )
+        return padded(batch, length)
 
     def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         module = self.strategy.lightning_module
@@ -104,20 +117,14 @@ class PipelinePairs:
     def _arrange(self, batch: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor, tuple, Any]:
         """`(batch in whole-pair microbatches, its row order, the first stage's arguments, the last stage's targets)`;
         the microbatches' targets located for `loss`."""
-        strategy, module = self.strategy, self.strategy.lightning_module
+        strategy = self.strategy
         if strategy.resolved.plan.auxiliary_loss is not None:
             raise ConfigError(
                 "preference tuning under pipelines with a router's load-balancing loss (output_router_logits): not "
                 "done yet. Fix: output_router_logits: false, or train without pp."
             )
-        length = getattr(getattr(module.trainer, "datamodule", None), "seq_len", None)
-        if length is None:
-            raise ConfigError(
-                "preference tuning under pipelines needs the pairs' max_length to give every batch one shape: train "
-                "on a parallelkit.data.PreferenceDataModule (trainer.fit(model, datamodule=...))."
-            )
         order = pair_order(batch["pair_index"].shape[0], strategy.microbatches)
-        batch = whole_pairs(batch, order, length)
+        batch = whole_pairs(batch, order)
         labels = batch["labels"]
         self.references, self.sums, self.chosen_targets = {}, {}, batch["chosen_targets"]
         self.first = (

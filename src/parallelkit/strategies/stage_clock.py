@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 
 class StageClock:
@@ -47,3 +48,17 @@ class StageClock:
         """(busy seconds, step seconds) since `start`."""
         self._sync()
         return self._busy, time.perf_counter() - self._start
+
+    def log(self, module: Any, group: Any, device: torch.device, theoretical_bubble: float | None) -> None:
+        """Log the step since `start`, on rank 0, for every rank of the pipeline `group`: its busy seconds and bubble,
+        the pipeline's bubble, and the ideal schedule's."""
+        busy, wall = self.stop()
+        times = [torch.zeros(2, device=device) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(times, torch.tensor([busy, wall], device=device), group=group)
+        for rank, (rank_busy, rank_wall) in enumerate(times):
+            module.log(f"pp_busy_s/rank{rank}", rank_busy.item(), on_step=True, rank_zero_only=True)
+            module.log(f"pp_bubble/rank{rank}", 1 - (rank_busy / rank_wall).item(), on_step=True, rank_zero_only=True)
+        bubble = 1 - sum(b for b, _ in times).item() / sum(w for _, w in times).item()
+        module.log("pp_bubble", bubble, on_step=True, prog_bar=True, rank_zero_only=True)
+        if theoretical_bubble is not None:
+            module.log("pp_bubble_theory", theoretical_bubble, on_step=True, rank_zero_only=True)
