@@ -188,9 +188,19 @@ class Job:
 
 
 def session(leader: int) -> list[int]:
-    """The pids of every process still alive in the session `leader` started."""
+    """The pids of every process still alive in the session `leader` started. Not a zombie: a process that has ended
+    and waits only to be reaped (a rank whose parent exited first, until the machine's init reaps it: on a loaded
+    machine a SIGKILLed rank's stays listed for a minute)."""
     found = subprocess.run(["pgrep", "-s", str(leader)], capture_output=True, text=True).stdout.split()
-    return [int(pid) for pid in found]
+    return [int(pid) for pid in found if not _zombie(int(pid))]
+
+
+def _zombie(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # gone since pgrep saw it
+    return stat.rpartition(")")[2].split()[0] == "Z"
 
 
 def kill_session(leader: int, signum: int = signal.SIGKILL) -> None:
