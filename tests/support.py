@@ -118,10 +118,12 @@ def script(name: str, *args: str, cwd: Path, timeout: float = 600) -> subprocess
 
 def forkable(env: dict[str, str]) -> bool:
     """Whether a job with these extra variables can be forked from the server: not one that changes what the
-    interpreter does at start (a PYTHONPATH entry holding `sitecustomize` or `usercustomize`, other PYTHON*
-    settings); PYTHONPATH's other entries are put on a forked rank's path as the interpreter would."""
+    interpreter does at start (a `usercustomize` on PYTHONPATH, other PYTHON* settings). PYTHONPATH's entries are put
+    on a forked rank's path as the interpreter would, and a `sitecustomize` there is run in the rank as it starts:
+    the suite's own (tests/faults) patches functions of modules by attribute, which works on the server's imports
+    too (one that needed to run before any import would need `real_launch=True`)."""
     entries = [Path(p) for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    at_start = any((p / f"{name}.py").exists() for p in entries for name in ("sitecustomize", "usercustomize"))
+    at_start = any((p / "usercustomize.py").exists() for p in entries)
     return not at_start and not any(name.startswith("PYTHON") and name != "PYTHONPATH" for name in env)
 
 

@@ -213,6 +213,9 @@ def run_rank(request: dict, env: dict[str, str], cwd: str, outputs: tuple[int, i
     extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
     script = request["script"]
     sys.path[:1] = [str(Path(script).parent) if script else os.getcwd(), *extra]
+    for entry in extra:  # what the interpreter runs at start from its path (support.forkable allows patches only)
+        if (Path(entry) / "sitecustomize.py").exists():
+            runpy.run_path(str(Path(entry) / "sitecustomize.py"), run_name="sitecustomize")
     code = 0
     try:
         if script:
