@@ -10,8 +10,7 @@ The old paths (`parallelkit.lora`, `parallelkit.lora_experts`, `parallelkit.quan
 below are handed on when first used, so importing one room loads no other.
 """
 
-from importlib import import_module
-from typing import Any
+from parallelkit.lazy import handed_on
 
 _NAMES = {
     "LoRA": "lora",
@@ -24,13 +23,5 @@ _NAMES = {
     "is_nf4": "nf4",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_NAMES[name]}"), name)
-    globals()[name] = value
-    return value
-
-
+__getattr__ = handed_on(__name__, _NAMES)
 __all__ = sorted(_NAMES)

@@ -12,8 +12,7 @@ The old paths (`parallelkit.muon`, `parallelkit.optim`, `parallelkit.grad_norm`)
 is `Muon`. The names below are handed on when first used, so importing one room loads no other.
 """
 
-from importlib import import_module
-from typing import Any
+from parallelkit.lazy import handed_on
 
 _NAMES = {
     "Muon": "muon",
@@ -23,13 +22,5 @@ _NAMES = {
     "clip_grad_norm_": "grad_norm",
 }
 
-
-def __getattr__(name: str) -> Any:
-    if name not in _NAMES:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(import_module(f"{__name__}.{_NAMES[name]}"), name)
-    globals()[name] = value
-    return value
-
-
+__getattr__ = handed_on(__name__, _NAMES)
 __all__ = sorted(_NAMES)
