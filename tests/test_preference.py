@@ -467,3 +467,30 @@ def test_the_guides_command_tunes_an_sft_export_with_lora_and_exports_it(sft_exp
         assert torch.isfinite(logits).all()
         assert (logits - original(ids).logits).abs().max() > 1e-4  # it trained
     assert (export / "tokenizer.json").is_file()
+
+
+def test_precomputed_log_probs_of_other_pairs_are_refused_on_resume(tmp_path):
+    """A checkpoint's precomputed reference log-probs are read back only for the pairs they were computed on: other
+    data, or the same with another max_length, is refused naming what changed and the fix (the model they came
+    from is gone: computed again they would be the trained model's)."""
+    from types import SimpleNamespace
+
+    from parallelkit.errors import ConfigError
+    from parallelkit.models.preference_store import StoredReference
+
+    records = [record for _, record in builtin_pairs(count=40, seed=1)]
+    (tmp_path / "pairs.jsonl").write_text("".join(json.dumps(record) + "\n" for record in records))
+
+    def module(**options):
+        data = PreferenceDataModule(paths=str(tmp_path / "pairs.jsonl"), cache_dir=str(tmp_path / "cache"), **options)
+        data.setup("fit")
+        trainer = SimpleNamespace(datamodule=data, strategy=SimpleNamespace(root_device=torch.device("cpu")))
+        return SimpleNamespace(trainer=trainer)
+
+    saved = module()
+    digest = " ".join(getattr(saved.trainer.datamodule, f"{split}_set").digest() for split in ("train", "val"))
+    state = {"digest": digest, "train": torch.zeros(38, 2), "val": torch.zeros(2, 2)}
+    StoredReference().load_state_dict(state, saved)  # the same pairs: read back
+    for changed in ({"max_length": 128}, {"truncation_mode": "keep_end"}):
+        with pytest.raises(ConfigError, match=r"computed on other pairs than this run's .* Fix: resume with the data"):
+            StoredReference().load_state_dict(state, module(**changed))
