@@ -14,6 +14,7 @@ import importlib
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -119,7 +120,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     launcher_pid = os.getppid()
     run = args[0] if args and args[0] in RUNS else None
     interrupted, armed = 128 + signal.SIGINT, False
-    if run is not None:
+    if run is not None and threading.current_thread() is threading.main_thread():
         # Ctrl-C heard from the first instant, until CTRL_C is armed as Python's KeyboardInterrupt (handled below):
         # also in a job whose parent ignores SIGINT (a script's background job), which armed CTRL_C hears later.
         signal.signal(signal.SIGINT, signal.default_int_handler)
