@@ -544,16 +544,6 @@ class ParameterKinds(L.Callback):
         pl_module.log("params/plain", float(plain), on_step=True, rank_zero_only=True)
 
 
-class CompileInProcess(L.Callback):
-    """Inductor compiles in this process (`compile_threads = 1`) instead of starting its pool of compile workers,
-    each a fresh interpreter importing torch: four ranks on two cores then pay for a dozen more interpreters."""
-
-    def setup(self, trainer, pl_module, stage) -> None:
-        import torch._inductor.config
-
-        torch._inductor.config.compile_threads = 1
-
-
 class CompiledGraphs(L.Callback):
     """Logs `compiled_graphs`: how many graphs torch.compile has built in this process so far (0: nothing compiled);
     and `optimizer_graphs`: how many of them this step's `optimizer.step` built after its closure (forward, backward,

@@ -340,7 +340,7 @@ def test_compiled_blocks_match_one_process_and_checkpoints_cross_between_compile
     `optimizer.step` builds after its closure) are counted apart: none if `setup_optimizers` left the step eager.
     (20 compiled steps from scratch: 1.4e-7 from one process, by hand; two compiled runs cost CI a minute more.)"""
     compiled, eager = tmp_path / "compiled", tmp_path / "eager"
-    run = [*common(corpus, tmp_path / "cache"), callback("models.CompiledGraphs"), callback("models.CompileInProcess")]
+    run = [*common(corpus, tmp_path / "cache"), callback("models.CompiledGraphs")]
     resume = f"--ckpt_path={reference('hybrid.yaml').checkpoint}"
     save = checkpoint_every(compiled / "ckpt", 15)
     options = ["--trainer.strategy.compile=true", "--trainer.strategy.compile_optimizer=true"]
