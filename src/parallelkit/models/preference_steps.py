@@ -114,10 +114,15 @@ class PreferenceSteps:
             nll = -policy.logps.chunk(2)[0].sum() * replicas / batch["chosen_targets"].clamp(min=1)
             loss = loss + self.preference.rpo_alpha * nll
         loss = loss + aux
-        sums = metric_sums(loss, policy, (chosen, rejected), pairs)
-        cp = 1 if cp_group is None else dist.get_world_size(cp_group)
-        sums[:PAIR_SUMS] /= cp  # every cp rank holds the same pairs' values; the token sums are its own slice's
-        return loss, sums, pairs
+        return loss, self._rank_sums(loss, policy, (chosen, rejected), pairs, cp_group), pairs
+
+    def _rank_sums(self, loss: torch.Tensor, policy: Any, rewards: Any, pairs: int, cp_group: Any) -> torch.Tensor:
+        """This rank's `metric_sums`, the pairs' shares divided over the cp ranks: every cp rank holds the same
+        pairs' values, while the token sums are its own slice's."""
+        sums = metric_sums(loss, policy, rewards, pairs)
+        if cp_group is not None:
+            sums[:PAIR_SUMS] /= dist.get_world_size(cp_group)
+        return sums
 
     # -- a precomputed reference (`parallelkit.models.preference_store`) -------------------------------------------
     def stored_reference(self, batch: Mapping[str, torch.Tensor], split: str) -> torch.Tensor | None:
@@ -150,7 +155,7 @@ class PreferenceSteps:
     def _precompute(self) -> None:
         """A precomputed reference's log-probs, computed at the first validation or training start (before any step,
         after a checkpoint restored them on a resume) unless they are there."""
-        if self.preference is None or self.reference_kind() != "precomputed" or self._stored().tables:
+        if self.reference_kind() != "precomputed" or self._stored().tables:
             return
         with torch.inference_mode(False):  # the validation loop's: tables read by training's autograd later
             self._stored().compute(self)
@@ -163,13 +168,13 @@ class PreferenceSteps:
     @override
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_save_checkpoint(checkpoint)
-        if self.preference is not None and self.reference_kind() == "precomputed" and self._stored().tables:
+        if self.reference_kind() == "precomputed" and self._stored().tables:
             checkpoint[CHECKPOINT_KEY] = self._stored().state_dict()
 
     @override
     def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
         super().on_load_checkpoint(checkpoint)
-        if self.preference is not None and self.reference_kind() == "precomputed":
+        if self.reference_kind() == "precomputed":
             if CHECKPOINT_KEY not in checkpoint:
                 raise ConfigError(
                     "model.preference.reference: precomputed, but the checkpoint holds no precomputed reference "
@@ -213,10 +218,7 @@ class PreferenceSteps:
             replicas, _ = self._data_parallel()
             nll = -policy.logps.chunk(2)[0].sum() * replicas * microbatches / chosen_targets.clamp(min=1)
             loss = loss + self.preference.rpo_alpha * nll
-        sums = metric_sums(loss, policy, (chosen, rejected), losses.shape[0])
-        if cp_group is not None:
-            sums[:PAIR_SUMS] /= dist.get_world_size(cp_group)  # as `preference_scores`
-        return loss, sums
+        return loss, self._rank_sums(loss, policy, (chosen, rejected), losses.shape[0], cp_group)
 
     def preference_training_step(self, batch: Mapping[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, sums, pairs = self.preference_scores(batch)

@@ -225,8 +225,6 @@ class PipelineStrategy(ParallelkitStrategy):
                 "pipeline_layers and cannot split a model that parallelised itself. Remove configure_model() "
                 "or use strategy='fsdp_tp'."
             )
-        if getattr(model, "preference", None) is not None:
-            self.pairs.check()
         resolved = resolve(
             model,
             tp=self.mesh_spec.size("tp"),
