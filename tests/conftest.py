@@ -129,6 +129,25 @@ def baseline(reference: Callable[..., Reference]) -> Callable[[str], Reference]:
 
 
 @pytest.fixture(scope="session")
+def sft_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
+    """`sft_runs(name, *overrides)`: a 20-step run of configs/sft.yaml on the built-in conversations, made once in
+    the session (test_sft.py's layouts, and the one-process reference replica groups of token batches compare with)."""
+
+    def get(name: str, *overrides: str) -> Path:
+        def make(directory: Path) -> None:
+            common = (
+                "--trainer.max_steps=20",
+                "--trainer.limit_val_batches=0",
+                f"--data.init_args.cache_dir={directory.parent / 'sft-cache'}",
+            )
+            assert_ok(fit("sft.yaml", directory, *common, *overrides))
+
+        return made_once(tmp_path_factory, f"sft-{name}", make)
+
+    return get
+
+
+@pytest.fixture(scope="session")
 def fsdp4_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     """hybrid.yaml on [[4, 1]] for 20 steps with the fp32 comm hook and profile_communication, each rank writing its
     training-state bytes at the end (`models.StateBytes`, under `<dir>/state`): its CSV log directory. One launch for

@@ -712,22 +712,44 @@ class Touch(L.Callback):
 
 class ReplayText(TextDataModule):
     """The one-process reference of a replica-group run: at step k, the rows that the groups in `schedule[k]` (as
-    the run logged them, `ft/groups`) trained of global batch k, out of `num_groups` groups of `group_size`
-    processes with `batch_size` rows each (`GlobalBatchSampler`'s order, as the groups drew it)."""
+    the run logged them, `ft/groups`) trained of the step's `accumulate` global micro-batches, out of `num_groups`
+    groups of `group_size` processes with `batch_size` rows each (`GlobalBatchSampler`'s order, as the groups drew
+    it), as one batch."""
 
-    def __init__(self, schedule: list[list[int]], num_groups: int, group_size: int, **kwargs) -> None:
+    def __init__(self, schedule: list[list[int]], num_groups: int, group_size: int, accumulate: int = 1, **kwargs):
         super().__init__(**kwargs)
         self.schedule, self.num_groups, self.group_size = schedule, num_groups, group_size
+        self.accumulate = accumulate
 
     def train_dataloader(self) -> DataLoader:
         replicas = self.num_groups * self.group_size
         order = GlobalBatchSampler(len(self.train_set), self.batch_size, replicas, 0, shuffle=True, seed=self.seed)
-        batches, _ = order.epoch_batches()  # (step, replica, row)
+        batches, _ = order.epoch_batches()  # (micro-batch, replica, row)
+        micro = self.accumulate
         rows = [
-            batches[step, [g * self.group_size + r for g in groups for r in range(self.group_size)]].reshape(-1)
+            batches[
+                step * micro : (step + 1) * micro,
+                [g * self.group_size + r for g in groups for r in range(self.group_size)],
+            ]
             for step, groups in enumerate(self.schedule)
         ]
-        return DataLoader(self.train_set, batch_sampler=[r.tolist() for r in rows])
+        return DataLoader(self.train_set, batch_sampler=[r.reshape(-1).tolist() for r in rows])
+
+
+class FailCommit(L.Callback):
+    """Reports an error to this replica group's torchft manager on the first try of step `step` (after the
+    gradients' all-reduce, before the commit), in the groups listed: their commit of the step fails, the others'
+    does not. Every group failing: all try the step again; one failing alone: it falls behind the others."""
+
+    def __init__(self, step: int, groups: list[int]) -> None:
+        self.step, self.groups, self.failed = step, groups, False
+
+    def on_before_optimizer_step(self, trainer, pl_module, optimizer) -> None:
+        strategy = trainer.strategy
+        if trainer.global_step != self.step or self.failed or strategy.replica_groups.group not in self.groups:
+            return
+        self.failed = True
+        strategy.replica_group.manager.report_error(RuntimeError(f"FailCommit at step {self.step}"))
 
 
 class PeftCausalLM(HFCausalLM):

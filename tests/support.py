@@ -389,6 +389,20 @@ def made_once(tmp_path_factory: pytest.TempPathFactory, name: str, make: Callabl
 CORPUS_CHARS = 400_000
 
 
+SFT_ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")
+"""configs/sft.yaml as one process with its global batch of 8 rows (`sft_runs`' reference)."""
+
+SFT_GPT = (
+    "--model=parallelkit.models.GPT",
+    "--model.init_args.vocab_size=264",
+    "--model.init_args.n_layer=2",
+    "--model.init_args.n_head=4",
+    "--model.init_args.n_embd=64",
+)
+"""The reference GPT on configs/sft.yaml's data: its own mask and rotary positions (a pipeline's second stage first
+runs on placeholder positions to learn shapes, which the positions' rotary angles must survive)."""
+
+
 SINGLE_PROCESS = {
     "plain": (),
     "accumulate": ("--trainer.accumulate_grad_batches=2",),

@@ -13,6 +13,8 @@ import pytest
 from snippets import parallelkit_args
 from support import (
     REPO,
+    SFT_GPT,
+    SFT_ONE_PROCESS,
     assert_ok,
     assert_same_losses,
     callback,
@@ -112,21 +114,114 @@ def test_two_replica_groups_train_as_one_process_and_end_bit_identical(tmp_path,
         assert digests[0] == digests[1] and digests[0]["optimized"] > 0, digests
 
 
+def two_groups(directory: Path, lighthouse: str, config: str, strategy: tuple, *extra: str) -> list[Path]:
+    """configs/`config` launched as groups 0 and 1 of 2 (`strategy`: the strategy's class and layout inside each
+    group, then the replica-group options and `extra`), each in its own directory (its logs, and the checkpoints a
+    config writes relative to it), started together; both must exit 0. Their log directories."""
+    logs = [directory / f"group{g}" for g in (0, 1)]
+    together = callback("models.StartTogether", directory=str(directory / "started"), count=2)
+    commands = [
+        [
+            "fit",
+            "--config",
+            str(REPO / "configs" / config),
+            *strategy,
+            f"--trainer.strategy.replica_groups.group={g}",
+            "--trainer.strategy.replica_groups.num_groups=2",
+            f"--trainer.strategy.replica_groups.lighthouse={lighthouse}",
+            "--trainer.strategy.replica_groups.hostname=127.0.0.1",
+            "--trainer.strategy.replica_groups.timeout=30",
+            f"--trainer.logger.init_args.save_dir={log}",
+            "--trainer.enable_progress_bar=false",
+            "--trainer.enable_model_summary=false",
+            callback("models.StateDigest", out_dir=str(log / "digest")),
+            together,
+            *extra,
+        ]
+        for g, log in enumerate(logs)
+    ]
+    for log in logs:
+        log.mkdir(parents=True)
+    with none_left([launch(command, cwd=log) for command, log in zip(commands, logs)]) as jobs:
+        codes = [job.wait(timeout=300) for job in jobs]
+    assert codes == [0, 0], [job.stderr()[-4000:] for job in jobs]
+    return logs
+
+
+STEPS = 12
+
+LAYOUTS_IN_GROUPS = {
+    # SFT packed rows (each step's loss divided by the targets of the groups taking part), cp2 inside each group,
+    # 2 accumulated micro-batches of 2 rows a group: the global batch of 8 rows of one process. Step 3's commit fails
+    # in both groups (both try it again, its first micro-batch run again); step 7's in group 1 alone (the other
+    # commits it: group 1 falls behind and heals in place).
+    "cp2_sft_packed_accumulate2": (
+        "sft.yaml",
+        ('--trainer.strategy.mesh_shape=[[2], ["cp"]]', "--trainer.devices=2"),
+        *SFT_GPT,
+        "--data.init_args.batch_size=2",
+        "--trainer.accumulate_grad_batches=2",
+        callback("models.FailCommit", step=3, groups=[0, 1]),
+        callback("models.FailCommit", step=7, groups=[1]),
+    ),
+    "1f1b_pp2_fsdp2": (
+        "hybrid.yaml",
+        (
+            "--trainer.strategy=parallelkit.PipelineStrategy",
+            '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "fsdp"]]',
+            "--trainer.strategy.schedule=1f1b",
+            "--trainer.strategy.microbatches=2",
+            "--trainer.devices=4",
+        ),
+        "--data.init_args.batch_size=2",
+    ),
+    "ddp2": ("ddp.yaml", ("--trainer.strategy=parallelkit.DDPStrategy",), "--data.init_args.batch_size=2"),
+}
+
+
+@pytest.mark.parametrize("layout", LAYOUTS_IN_GROUPS)
+def test_every_layout_inside_two_groups_equals_one_process(tmp_path, corpus, baseline, sft_runs, lighthouse, layout):
+    """2 groups, each a launch of its own with a pipeline (1F1B, pp2 x fsdp2), cp2 with SFT packed rows and 2
+    accumulated micro-batches, or DDP inside: every step commits once in each group and both log one process's loss
+    on the same global batch (fp32, 1e-5), ending with the same parameters and optimizer state, rank by rank. With
+    cp2/SFT, commits that fail: in both groups (each tries the step again on the same micro-batches), and in one
+    alone (it copies the other's state in place, as the step's result, and goes on with it)."""
+    config, strategy, *extra = LAYOUTS_IN_GROUPS[layout]
+    if config == "sft.yaml":
+        reference = step_losses(sft_runs("gpt_one", *SFT_ONE_PROCESS, *SFT_GPT))
+        data = [f"--data.init_args.cache_dir={tmp_path / 'cache'}"]
+    else:
+        reference = baseline("plain").losses()
+        data = common(corpus, tmp_path / "cache", STEPS)[2:]
+    budget = [f"--trainer.max_steps={STEPS}", "--trainer.limit_val_batches=0"]
+    logs = two_groups(tmp_path, lighthouse, config, strategy, *budget, *data, *extra)
+    for log in logs:
+        assert_same_losses({step: reference[step] for step in range(STEPS)}, step_losses(log))
+        assert set(step_losses(log, "ft/groups").values()) == {3.0}
+        assert list(step_losses(log, "ft/committed_steps").values()) == [float(s) for s in range(1, STEPS + 1)]
+    for rank in range(4 if "fsdp2" in layout else 2):
+        digests = [json.loads((log / "digest" / f"rank{rank}.json").read_text()) for log in logs]
+        assert digests[0] == digests[1] and digests[0]["optimized"] > 0, digests
+    if "sft" in layout:
+        retries = [step_losses(log, "ft/retries") for log in logs]
+        assert [retries[0][STEPS - 1], retries[1][STEPS - 1]] == [1.0, 2.0], retries
+        healed = step_losses(logs[1], "ft/copied_steps")
+        assert [healed[step] for step in (6, 7)] == [0.0, 1.0] and step_losses(logs[1], "ft/committed")[7] == 0.0
+
+
 def test_what_replica_groups_cannot_take_is_refused_before_launch(tmp_path, monkeypatch):
-    """A group index outside the job's, no lighthouse, one nothing answers at, a mesh with its own replicate axis,
-    gradient accumulation (a retried step would need its earlier micro-batches), and torchft missing: each refused
-    naming the field and the fix (the CLI, fit and check: one process, before any rank starts)."""
+    """A group index outside the job's, no lighthouse, one nothing answers at, a mesh with its own replicate axis (the
+    groups are that axis: the fix names the spelling), and torchft missing: each refused naming the field and the fix
+    (the CLI, fit and check: one process, before any rank starts)."""
     mesh = MeshSpec.parse([[2], ["fsdp"]])
     with pytest.raises(ConfigError, match=r"replica_groups.group=2 with num_groups=2: .*Fix: launch group i of n"):
         ReplicaGroups(group=2, num_groups=2, lighthouse="http://h:1").check(mesh)
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     with pytest.raises(ConfigError, match=r"no lighthouse.*parallelkit lighthouse"):
         ReplicaGroups(group=0, num_groups=2).check(mesh)
-    with pytest.raises(ConfigError, match=r"no replicate axis"):
+    with pytest.raises(ConfigError, match=r"no replicate axis of its own.*one group per replica"):
         hsdp = MeshSpec.parse([[2, 2], ["replicate", "fsdp"]])
         ReplicaGroups(group=0, num_groups=2, lighthouse="http://h:1").check(hsdp)
-    with pytest.raises(ConfigError, match=r"accumulate_grad_batches=2: a step that fails to commit is tried again"):
-        ReplicaGroups(group=0, num_groups=2).check_accumulation(2)
     unreachable = f"http://127.0.0.1:{free_port()}"
     with pytest.raises(ConfigError, match=r"nothing answers there within 2 s .*parallelkit lighthouse --port"):
         ReplicaGroups(group=0, num_groups=2, lighthouse=unreachable, timeout=2).check(mesh)

@@ -14,7 +14,16 @@ import transformers
 import yaml
 from models import TINY_LLAMA
 from snippets import parallelkit_args, snippet
-from support import REPO, assert_ok, assert_same_losses, fit, fit_command, made_once, parallelkit, step_losses
+from support import (
+    REPO,
+    SFT_GPT,
+    SFT_ONE_PROCESS,
+    assert_ok,
+    assert_same_losses,
+    fit_command,
+    parallelkit,
+    step_losses,
+)
 
 from parallelkit.contract import IGNORE_INDEX
 from parallelkit.data import SFTDataModule
@@ -301,25 +310,11 @@ def test_a_resumed_sampler_continues_with_the_uninterrupted_samples_and_counts()
         assert ranks[:4] == whole[4 * (6 + k) : 4 * (6 + k) + 4]
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory):
-    """`runs(name, *overrides)`: a 20-step run of configs/sft.yaml on the built-in conversations, made once."""
-
-    def get(name: str, *overrides: str) -> Path:
-        def make(directory: Path) -> None:
-            common = (
-                "--trainer.max_steps=20",
-                "--trainer.limit_val_batches=0",
-                f"--data.init_args.cache_dir={directory.parent / 'sft-cache'}",
-            )
-            assert_ok(fit(SFT, directory, *common, *overrides))
-
-        return made_once(tmp_path_factory, f"sft-{name}", make)
-
-    return get
+@pytest.fixture
+def runs(sft_runs):
+    return sft_runs
 
 
-ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")
 LAYOUTS = {
     "2x2_sequence_parallel": (),  # the config's own layout: 4 rows per process, tp ranks share them
     "fsdp4_accumulate2": (
@@ -338,17 +333,6 @@ LAYOUTS = {
 }
 
 
-GPT_MODEL = (
-    "--model=parallelkit.models.GPT",
-    "--model.init_args.vocab_size=264",
-    "--model.init_args.n_layer=2",
-    "--model.init_args.n_head=4",
-    "--model.init_args.n_embd=64",
-)
-"""The reference GPT on the same data: its own mask and rotary positions (a pipeline's second stage first runs on
-placeholder positions to learn shapes, which the positions' rotary angles must survive)."""
-
-
 GPT_LAYOUTS = {
     "1f1b_pp2": LAYOUTS["1f1b_pp2"],
     # Context parallelism: each packed row split over the cp ranks, its documents crossing the slices' edges.
@@ -360,10 +344,10 @@ GPT_LAYOUTS = {
 @pytest.mark.parametrize("name", [*LAYOUTS, *(f"gpt_{name}" for name in GPT_LAYOUTS)])
 def test_packed_sft_matches_one_process_per_step(runs, name):
     if name.startswith("gpt_"):
-        expected = runs("gpt_one", *ONE_PROCESS, *GPT_MODEL)
-        actual = runs(name, *GPT_LAYOUTS[name.removeprefix("gpt_")], *GPT_MODEL)
+        expected = runs("gpt_one", *SFT_ONE_PROCESS, *SFT_GPT)
+        actual = runs(name, *GPT_LAYOUTS[name.removeprefix("gpt_")], *SFT_GPT)
     else:
-        expected, actual = runs("one", *ONE_PROCESS), runs(name, *LAYOUTS[name])
+        expected, actual = runs("one", *SFT_ONE_PROCESS), runs(name, *LAYOUTS[name])
     assert_same_losses(step_losses(expected), step_losses(actual))
 
 
@@ -385,7 +369,7 @@ def test_the_step_loss_is_the_global_token_mean_not_a_mean_of_rank_means(runs, t
     assert counts.max() >= 3 * counts.min() and int(batch["num_targets"]) == counts.sum()
     assert abs(rank_means - token_mean) > 20 * 1e-5 * token_mean
     for name in ("one", *LAYOUTS):
-        logged = step_losses(runs(name, *(ONE_PROCESS if name == "one" else LAYOUTS[name])))[0]
+        logged = step_losses(runs(name, *(SFT_ONE_PROCESS if name == "one" else LAYOUTS[name])))[0]
         assert abs(logged - token_mean) <= 1e-5 * token_mean, name
 
 

@@ -121,6 +121,11 @@ restart at 0 where a packed example begins (a token attends only to earlier toke
 `num_targets`, the number of targets in the whole optimizer step (every data-parallel rank's batch, every accumulated
 micro-batch), by which the step's loss is divided: a token mean over the global batch, whatever the layout."""
 
+REPLICA_TARGETS = "replica_targets"
+"""An optional key of a token batch, which replica groups need: the target count of its optimizer step per
+data-parallel replica of the whole job (every group's ranks, group g's after those of groups 0..g-1), shape
+(replicas,). A group sums its own; the step's quorum sums the groups taking part, which is the step's `num_targets`."""
+
 
 PREFERENCE_BATCH = ("input_ids", "labels", "position_ids", "pair_index", "chosen_targets")
 """The keys of a preference batch (`parallelkit.data.PreferenceDataModule` yields it): B pairs as 2B rows, the chosen

@@ -35,6 +35,7 @@ from parallelkit.compat.lightning import (
     should_accumulate,
     skip_loop_backward,
     skip_sigterm_broadcast,
+    strategy_hook,
     throughputs,
     training_position,
 )
@@ -148,6 +149,7 @@ __all__ = [
     "should_accumulate",
     "skip_loop_backward",
     "skip_sigterm_broadcast",
+    "strategy_hook",
     "storage_key",
     "throughputs",
     "training_position",

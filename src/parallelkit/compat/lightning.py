@@ -95,6 +95,14 @@ def skip_loop_backward(trainer: L.Trainer) -> None:
     trainer.fit_loop._skip_backward = True
 
 
+def strategy_hook(trainer: L.Trainer, name: str, *args: Any) -> Any:
+    """The strategy's hook `name` (`training_step`, `backward`) called as the fit loop calls it: what the module logs
+    in it is logged as that hook's (a retried micro-batch's `train_loss` is the step's, not another hook's)."""
+    from lightning.pytorch.trainer import call
+
+    return call._call_strategy_hook(trainer, name, *args)
+
+
 def should_accumulate(trainer: L.Trainer) -> bool:
     """Whether the current micro-batch is not the last of an optimizer step (the fit loop's own test)."""
     return trainer.fit_loop._should_accumulate()

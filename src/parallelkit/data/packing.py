@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import Dataset, default_collate
 from typing_extensions import override
 
-from parallelkit.contract import IGNORE_INDEX
+from parallelkit.contract import IGNORE_INDEX, REPLICA_TARGETS
 from parallelkit.data.sampler import GlobalBatchSampler
 
 
@@ -44,7 +44,8 @@ class PackedRows(Dataset):
 
     An example of n tokens takes n positions: its position j predicts its token j + 1 when that one is a target, and
     its last position predicts nothing (the next token belongs to another example). Padding forms an example of its
-    own, with no targets. Item `r`, or `(r, step_targets)` as `StepTargetSampler` hands it, is a token batch row.
+    own, with no targets. Item `r`, or `(r, step_targets, replica_targets)` as `StepTargetSampler` hands it, is a
+    token batch row.
     """
 
     def __init__(self, examples: Examples, members: np.ndarray, bounds: np.ndarray, seq_len: int, pad_id: int) -> None:
@@ -63,7 +64,7 @@ class PackedRows(Dataset):
         return len(self.bounds) - 1
 
     def __getitem__(self, item: int | tuple[int, int]) -> dict[str, torch.Tensor]:
-        row, step_targets = item if isinstance(item, tuple) else (item, None)
+        row, step_targets, replica_targets = item if isinstance(item, tuple) else (item, None, None)
         input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
         labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
         positions = np.zeros(self.seq_len, dtype=np.int64)
@@ -77,45 +78,56 @@ class PackedRows(Dataset):
             at += n
         positions[at:] = np.arange(self.seq_len - at)  # the padding: an example of its own
         count = int(self.targets[row]) if step_targets is None else step_targets
-        return {
+        row_batch = {
             "input_ids": torch.from_numpy(input_ids),
             "labels": torch.from_numpy(labels),
             "position_ids": torch.from_numpy(positions),
             "num_targets": torch.tensor(count),
         }
+        if replica_targets is not None:
+            row_batch[REPLICA_TARGETS] = torch.tensor(replica_targets)
+        return row_batch
 
 
 def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack the rows; `num_targets`, the same in each, stays one number."""
+    """Stack the rows; `num_targets` and `replica_targets`, the same in each, stay one."""
     batch = default_collate(rows)
-    batch["num_targets"] = batch["num_targets"][0]
+    for key in ("num_targets", REPLICA_TARGETS):
+        if key in batch:
+            batch[key] = batch[key][0]
     return batch
 
 
 class StepTargetSampler(GlobalBatchSampler):
     """A `GlobalBatchSampler` whose indices come as `(index, step_targets)`: the targets of the optimizer step the
     sample trains in, summed over its global micro-batches (`accumulate` of them per step, counted from the epoch's
-    start as Lightning counts; the epoch's last step may have fewer).
+    start as Lightning counts; the epoch's last step may have fewer). With `per_replica`, `(index, step_targets,
+    replica_targets)`: the same step's count of each data-parallel replica, a tuple (replica groups sum those of the
+    groups that take part in the step).
 
     Args:
         targets: the target count of each sample.
         accumulate: micro-batches per optimizer step (the trainer's `accumulate_grad_batches`; 1 for evaluation).
+        per_replica: hand each replica's count too.
         **kwargs: `GlobalBatchSampler`'s.
     """
 
-    def __init__(self, targets: np.ndarray, accumulate: int, **kwargs: Any) -> None:
+    def __init__(self, targets: np.ndarray, accumulate: int, per_replica: bool = False, **kwargs: Any) -> None:
         super().__init__(len(targets), **kwargs)
         self.targets = torch.as_tensor(np.asarray(targets, dtype=np.int64))
-        self.accumulate = accumulate
+        self.accumulate, self.per_replica = accumulate, per_replica
 
     @override
-    def __iter__(self) -> Iterator[tuple[int, int]]:
+    def __iter__(self) -> Iterator[tuple[Any, ...]]:
         batches, first = self.epoch_batches()
-        per_batch = self.targets[batches].sum(dim=(1, 2))
-        step = torch.arange(len(per_batch)) // self.accumulate
-        step_targets = torch.zeros(int(step[-1]) + 1 if len(step) else 0, dtype=torch.long).index_add_(
-            0, step, per_batch
-        )[step]
+        per_replica = self.targets[batches].sum(dim=2)  # (global batches, replicas)
+        step = torch.arange(len(per_replica)) // self.accumulate
+        steps = int(step[-1]) + 1 if len(step) else 0
+        replica_targets = torch.zeros(steps, self.num_replicas, dtype=torch.long).index_add_(0, step, per_replica)
+        replica_targets = replica_targets[step][first:]
         mine = batches[first:, self.rank]
-        counts = step_targets[first:, None].expand_as(mine)
-        return iter(zip(mine.reshape(-1).tolist(), counts.reshape(-1).tolist()))
+        counts = replica_targets.sum(dim=1)[:, None].expand_as(mine).reshape(-1).tolist()
+        if not self.per_replica:
+            return iter(zip(mine.reshape(-1).tolist(), counts))
+        replicas = [tuple(row) for row in replica_targets.tolist() for _ in range(mine.shape[1])]
+        return iter(zip(mine.reshape(-1).tolist(), counts, replicas))

@@ -270,6 +270,7 @@ class SFTDataModule(ChatSources, SmallDataCheck, TokenStreamDataModule):
         return StepTargetSampler(
             dataset.targets,
             accumulate,
+            per_replica=split == "train",
             batch_size=base.batch_size,
             num_replicas=base.num_replicas,
             rank=base.rank,

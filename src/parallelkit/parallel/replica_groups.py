@@ -8,10 +8,11 @@ the optimizer steps only when the step commits (every participating group finish
 that stops answering from the next quorum and lets one that comes back copy a healthy peer's state.
 
 A group joins with its first quorum (`ReplicaGroup.join`), as its run starts or resumes from a checkpoint: one
-that comes back after the others went on copies a healthy one's model, optimizers and training position (loops,
-schedulers, data position, RNG: `GroupState`) there and continues with them from the same step and batch. A step
-that a group's failure breaks is tried again on the same batch with the groups left (`CommitGate`). Each step's
-groups, committed steps and tries are logged.
+that comes back after the others went on copies a healthy one's model, buffers, optimizers and training position
+(loops, schedulers, data position, RNG: `GroupState`) there and continues with them from the same step and batch. A
+step that a group's failure breaks is tried again on the same micro-batches with the groups left (`CommitGate`); a
+group that alone failed to commit a step the others committed copies their state in place as it tries again, which
+is the state it would have had (`ReplicaGroup.retry`). Each step's groups, committed steps and tries are logged.
 """
 
 from __future__ import annotations
@@ -70,13 +71,13 @@ class ReplicaGroups:
         return self.lighthouse or os.environ.get(LIGHTHOUSE_VARIABLE)
 
     def check(self, mesh: Any) -> None:
-        """Refuse, before launch, what cannot work with this group's `mesh` (a `MeshSpec`): raises ConfigError
-        naming the field and the fix."""
-        if mesh.size("replicate") > 1 or mesh.size("pp") > 1 or mesh.cp_size > 1:
+        """Refuse, before launch, what cannot work with this group's `mesh` (a `MeshSpec`; None for DDP): raises
+        ConfigError naming the field and the fix."""
+        if mesh is not None and mesh.size("replicate") > 1:
             raise ConfigError(
                 f"replica_groups with mesh_shape {mesh}: the groups are the replicated axis, so a group's mesh has no "
-                "replicate axis; pipelines and cp under replica groups are not done yet. Fix: a mesh of fsdp, ep "
-                'and tp inside each group, e.g. [[2], ["fsdp"]].'
+                "replicate axis of its own. Fix: each group's mesh without it (fsdp, pp, cp, ep, tp), e.g. "
+                '[[2], ["fsdp"]], and one group per replica: replica_groups.num_groups = the replicate size.'
             )
         if self.num_groups < 1 or not 0 <= self.group < self.num_groups:
             raise ConfigError(
@@ -100,15 +101,6 @@ class ReplicaGroups:
                 f"replica_groups needs torchft, which is not installed ({err}). Fix: pip install 'parallelkit[ft]'."
             ) from err
         self.check_lighthouse()
-
-    def check_accumulation(self, accumulate_grad_batches: int) -> None:
-        """Refuse gradient accumulation: a step that fails to commit is tried again on its last micro-batch only."""
-        if accumulate_grad_batches > 1:
-            raise ConfigError(
-                f"replica_groups with trainer.accumulate_grad_batches={accumulate_grad_batches}: a step that fails to "
-                "commit is tried again on its batch, which accumulation spreads over micro-batches already gone; "
-                "not done yet. Fix: accumulate_grad_batches=1 with a larger data.batch_size, or more groups."
-            )
 
     def check_lighthouse(self) -> None:
         """Refuse a lighthouse address nothing answers at within `timeout` (a TCP connection; torchft's manager
@@ -135,22 +127,30 @@ class ReplicaGroups:
 
 class GroupState:
     """What a group that comes back copies from a healthy one (torchft's `state_dict` and `load_state_dict`, sent
-    over its HTTP checkpoint transport): this rank's shards of the trained parameters, of the optimizers' states, and
-    the training position as the step began (`position`: loops, schedulers, data position, RNG). torchft reads it on
-    its quorum thread while the main thread waits for the quorum (between steps, or before a step is tried again),
-    so nothing moves under it; the parameters are taken sharded, as named at the group's join, not through the
-    model's `state_dict` hooks. `layout` (processes, mesh, trained shards) must be the same on both sides."""
+    over its HTTP checkpoint transport): this rank's shards of the trained parameters, the model's buffers (BatchNorm
+    statistics and any other a step changes), the optimizers' states, and the training position as the step began
+    (`position`: loops, schedulers, data position, RNG). torchft reads it on its quorum thread while the main thread
+    waits for the quorum (between steps, or before a step is tried again), so nothing moves under it; the tensors are
+    taken sharded, as named at the group's join, not through the model's `state_dict` hooks. `layout` (processes,
+    mesh, trained shards, buffers) must be the same on both sides."""
 
-    def __init__(self, layout: str, parameters: dict[str, torch.nn.Parameter], optimizers: list[Any]) -> None:
+    def __init__(
+        self,
+        layout: str,
+        parameters: dict[str, torch.nn.Parameter],
+        optimizers: list[Any],
+        buffers: dict[str, torch.Tensor] | None = None,
+    ) -> None:
         self.layout, self.parameters, self.optimizers = layout, parameters, optimizers
+        self.buffers = buffers or {}
         self.position: dict[str, Any] = {}
-        self.joining = False  # only a joining group may copy another's state
-        self.healed: dict[str, Any] | None = None  # the position copied at the join
+        self.healed: dict[str, Any] | None = None  # the position copied, at the join or in the middle of a step
 
     def state_dict(self) -> dict[str, Any]:
         return {
             "layout": self.layout,
             "parameters": {name: local_shard(p).detach() for name, p in self.parameters.items()},
+            "buffers": {name: local_shard(b).detach() for name, b in self.buffers.items()},
             "optimizers": [_optimizer_state(optimizer) for optimizer in self.optimizers],
             "position": self.position,
         }
@@ -162,15 +162,11 @@ class GroupState:
                 f"{state['layout']}, this one {self.layout}. Fix: launch every group with the same mesh_shape, "
                 "devices and model."
             )
-        if not self.joining:
-            raise ReplicaGroupError(
-                "this replica group fell behind the others during a step (they committed it, it did not) and would "
-                "have to copy their state in the middle of its step. Fix: restart the group: as it starts it copies "
-                "the others' state and continues with them."
-            )
         with torch.no_grad():
             for name, param in self.parameters.items():
                 local_shard(param).copy_(state["parameters"][name])
+            for name, buffer in self.buffers.items():
+                local_shard(buffer).copy_(state["buffers"][name])
         for optimizer, saved in zip(self.optimizers, state["optimizers"]):
             optimizer.load_state_dict(_optimizer_state_back(saved, optimizer))
         self.healed = state["position"]
@@ -217,17 +213,14 @@ class ReplicaGroup:
         one of them here: its model and optimizers are theirs on return, and the training position copied is
         returned (None if the group was not behind)."""
         self.manager.load_state_dict({"step": step, "batches_committed": batches_committed})
-        self.state.position, self.state.joining = position, True
-        try:
-            for _ in range(MAX_RETRIES + 1):
-                self.manager.start_quorum()
-                self._check_quorum()
-                if self.manager.errored() is None:
-                    break
-            else:
-                raise self.failure(f"could not join the others at step {step}")
-        finally:
-            self.state.joining = False
+        self.state.position = position
+        for _ in range(MAX_RETRIES + 1):
+            self.manager.start_quorum()
+            self._check_quorum()
+            if self.manager.errored() is None:
+                break
+        else:
+            raise self.failure(f"could not join the others at step {step}")
         self._quorum_ready, self._layouts_checked = True, False
         healed, self.state.healed = self.state.healed, None
         self.copied_steps = self.manager.current_step() - step if healed is not None else 0
@@ -285,16 +278,17 @@ class ReplicaGroup:
             )
         self.process_group.reconfigured, self._layouts_checked = False, True
 
-    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
-        """Average each local gradient (a DTensor's shard) with the same rank's of every group of the step: one
-        flat fp32 all-reduce (whatever the gradients' dtype, nothing is summed in bf16)."""
+    def average_gradients(self, parameters: list[torch.nn.Parameter], reduce_op: str = "mean") -> None:
+        """Average (or, for token batches whose loss each group divides by the whole quorum's target count, sum)
+        each local gradient (a DTensor's shard) with the same rank's of every group of the step: one flat fp32
+        all-reduce (whatever the gradients' dtype, nothing is summed in bf16)."""
         if not self._layouts_checked:
             self._check_layouts()
         grads = [local_shard(p.grad) for p in parameters if p.grad is not None]
         if not grads:
             return
         flat = torch.cat([g.reshape(-1).float() for g in grads])
-        self.manager.allreduce(flat).wait()
+        self.manager.allreduce(flat, reduce_op=_reduce_op(reduce_op)).wait()
         offset = 0
         for g in grads:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
@@ -311,11 +305,30 @@ class ReplicaGroup:
         self.committed = self.manager.should_commit()
         return self.committed
 
-    def retry(self) -> None:
-        """Start the next try of a step that did not commit: a new quorum, without the groups that failed."""
+    def retry(self, step: int) -> bool:
+        """Start the next try of a step that did not commit (Lightning's `step`): a new quorum, without the groups
+        that failed. True when this group alone failed it and the others committed it: the quorum is then their next
+        step's, and this group has copied their state in it (`GroupState`), which is what committing the step would
+        have left it with (parameters, buffers, optimizers; its loops and data position are theirs already, as the
+        step ends). That quorum is its next step's too."""
         self.retries += 1
+        before = self.manager.current_step()
         self.manager.start_quorum()
         self._check_quorum()
+        healed, self.state.healed = self.state.healed, None
+        if healed is None:
+            return False
+        ahead = self.manager.current_step() - before
+        if ahead != 1 or healed.get("global_step") != step + 1:
+            raise ReplicaGroupError(
+                f"replica group {self.config.group} fell behind the others during step {step}: they are "
+                f"{ahead} committed steps ahead (at Lightning's step {healed.get('global_step')}), more than the step "
+                "it was training, so their state is not where this step ends. Fix: restart this group: as it starts "
+                "it copies the others' state, training position included, and continues with them."
+            )
+        self.copied_steps += 1
+        self._quorum_ready = True
+        return True
 
     @property
     def committed_steps(self) -> int:
@@ -346,35 +359,44 @@ class ReplicaGroup:
 
 
 class CommitGate:
-    """The optimizer as Lightning's loop steps it, under replica groups: `step(closure)` runs the closure (forward,
-    backward, the gradients averaged across groups, clipping) and steps the optimizer only if the step commits."""
+    """The optimizer as Lightning's loop steps it, under replica groups: `step(closure)` runs the closure (the last
+    micro-batch's forward and backward, the gradients averaged across groups, clipping) and steps the optimizer only
+    if the step commits. `replay` runs the step's earlier micro-batches again before a retry (their gradients anew),
+    `step_index` is Lightning's step."""
 
-    def __init__(self, optimizer: torch.optim.Optimizer, group: ReplicaGroup) -> None:
-        self.optimizer = optimizer
-        self.group = group
+    def __init__(self, optimizer: torch.optim.Optimizer, group: ReplicaGroup, replay: Any, step_index: int) -> None:
+        self.optimizer, self.group, self.replay, self.step_index = optimizer, group, replay, step_index
 
     def step(self, closure: Any = None) -> Any:
-        """A step that does not commit (a group failed during it) is tried again on the same batch, with the groups
-        of a new quorum: Lightning's step count, the learning-rate schedule and the data position only move on a
-        committed step. Up to `MAX_RETRIES` tries in a row, then the run fails naming the step."""
-        for _ in range(MAX_RETRIES + 1):
+        """A step that does not commit (a group failed during it) is tried again on the same micro-batches, with the
+        groups of a new quorum: Lightning's step count, the learning-rate schedule and the data position only move
+        on a committed step. A group that alone failed it heals in place instead (`ReplicaGroup.retry`). Up to
+        `MAX_RETRIES` tries in a row, then the run fails naming the step."""
+        for attempt in range(MAX_RETRIES + 1):
+            if attempt:
+                self.replay()
             result = closure() if closure is not None else None
             if self.group.should_commit():
                 self.optimizer.step()
                 return result
-            self.group.retry()
+            if self.group.retry(self.step_index):
+                return result
         raise self.group.failure(f"could not commit the step after committed step {self.group.committed_steps}")
 
     def __getattr__(self, name: str) -> Any:  # param_groups, state, zero_grad, ...: the optimizer's
         return getattr(self.optimizer, name)
 
 
-def describe_layout(world_size: int, mesh: Any, parameters: dict[str, torch.nn.Parameter]) -> str:
+def describe_layout(
+    world_size: int, mesh: Any, parameters: dict[str, torch.nn.Parameter], buffers: dict[str, torch.Tensor]
+) -> str:
     """What two groups' ranks must share to average their gradients and copy each other's state: the processes, the
-    mesh, and this rank's shards of the trained parameters (names, shapes, dtypes; a digest)."""
-    shards = [(name, tuple(local_shard(p).shape), str(p.dtype)) for name, p in parameters.items()]
+    mesh (or "ddp"), and this rank's shards of the trained parameters and of the buffers (names, shapes, dtypes; a
+    digest)."""
+    shards = [(name, tuple(local_shard(t).shape), str(t.dtype)) for name, t in {**parameters, **buffers}.items()]
     digest = hashlib.sha256(repr(shards).encode()).hexdigest()[:12]
-    return f"{world_size} processes on mesh_shape {mesh}, {len(shards)} trained tensors (shards {digest})"
+    where = f"mesh_shape {mesh}" if mesh is not None else "ddp"
+    return f"{world_size} processes on {where}, {len(parameters)} trained tensors (shards {digest})"
 
 
 def _reduce_op(name: Any) -> Any:

@@ -245,8 +245,6 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
         """Refuse, before any worker starts, what this run cannot do with this model and data (default: what
         `check_model` refuses). The CLI calls it in the launching process; `setup` meets the same errors otherwise."""
         self.check_model(model)
-        if self.replica_groups is not None:
-            self.replica_groups.check_accumulation(accumulate_grad_batches)
         if self.mesh_spec.cp_size > 1 and getattr(datamodule, "seq_len", None) is not None:
             SequenceSplit(self.mesh_spec.cp_size, 0).check(datamodule.seq_len)
 

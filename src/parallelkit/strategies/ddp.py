@@ -10,13 +10,15 @@ from typing_extensions import override
 
 from parallelkit.callbacks.comm import CommunicationMonitor
 from parallelkit.callbacks.preemption import PreemptionCheckpoint
-from parallelkit.comm import CommHook, reduce_logged
+from parallelkit.comm import CommHook
 from parallelkit.comm import resolve as resolve_comm_hook
 from parallelkit.compat import destroy_process_groups_at_exit
 from parallelkit.errors import ConfigError
+from parallelkit.parallel.replica_groups import ReplicaGroups
+from parallelkit.strategies.replica_steps import ReplicaGroupSteps
 
 
-class DDPStrategy(LightningDDPStrategy):
+class DDPStrategy(ReplicaGroupSteps, LightningDDPStrategy):
     """Lightning's DDP (replicated model, gradients all-reduced in buckets) with a parallelkit comm hook.
 
     Lightning registers DDP communication hooks on CUDA only; this strategy registers the hook's DDP form on
@@ -28,6 +30,8 @@ class DDPStrategy(LightningDDPStrategy):
         profile_communication: Log every collective per optimizer step (`parallelkit.callbacks.CommunicationMonitor`).
         timeout: Seconds (or a timedelta) a collective may wait before the job fails instead of hanging.
         process_group_backend: "gloo" or "nccl"; default chosen from the accelerator.
+        replica_groups: This job is one of several replica groups that train as one data-parallel job through
+            torchft (`parallelkit.parallel.ReplicaGroups`), each group's ranks a DDP of their own.
         **kwargs: Passed to Lightning's DDPStrategy (and on to DistributedDataParallel).
     """
 
@@ -37,6 +41,7 @@ class DDPStrategy(LightningDDPStrategy):
         profile_communication: bool = False,
         timeout: float | timedelta = 1800.0,
         process_group_backend: str | None = None,
+        replica_groups: ReplicaGroups | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -47,9 +52,12 @@ class DDPStrategy(LightningDDPStrategy):
         self.comm_precision = comm_precision
         self.comm_hook: CommHook | None = None
         self.profile_communication = profile_communication
+        self.replica_groups = replica_groups
 
     @override
     def _configure_launcher(self) -> None:
+        if self.replica_groups is not None:
+            self.replica_groups.check(None)
         self.comm_hook = resolve_comm_hook(self.comm_precision)
         if self.comm_hook.ddp_hook() is None:
             raise ConfigError(
@@ -72,10 +80,12 @@ class DDPStrategy(LightningDDPStrategy):
         if not any(isinstance(c, PreemptionCheckpoint) for c in trainer.callbacks):
             trainer.callbacks.append(PreemptionCheckpoint())
         super().setup(trainer)
+        self.join_replica_groups()
 
     @override
-    def reduce(self, tensor: Any, group: Any | None = None, reduce_op: Any = "mean") -> Any:
-        return reduce_logged(tensor, group, reduce_op)
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.training_across_groups():
+            return super().training_step(*args, **kwargs)
 
     @override
     def _register_ddp_hooks(self) -> None:

@@ -345,6 +345,10 @@ class PipelineStrategy(ParallelkitStrategy):
 
     @override
     def training_step(self, batch: Any, batch_idx: int, *args: Any, **kwargs: Any) -> torch.Tensor:
+        with self.training_across_groups():
+            return self._training_step(batch, batch_idx)
+
+    def _training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         module = self.lightning_module
         trainer = module.trainer
         if batch_idx % trainer.accumulate_grad_batches == 0:
