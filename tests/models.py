@@ -639,21 +639,24 @@ class StateDigest(L.Callback):
 
 class KillGroupAt(L.Callback):
     """SIGKILLs every process of this job (its process group: a replica group's launch) from rank 0 at step `step`:
-    as it starts (`between_steps`: before this group asks for the step's quorum) or right after its backward
-    (`inside_the_all_reduce`: the other groups meet a peer gone from the gradients' all-reduce)."""
+    as its first micro-batch starts (`between_steps`: before this group asks for the step's quorum) or right after
+    its last backward (`inside_the_all_reduce`: the other groups meet a peer gone from the gradients' all-reduce)."""
 
     def __init__(self, step: int, when: str) -> None:
-        self.step, self.when = step, when
+        self.step, self.when, self.last_micro_batch = step, when, True
 
     def _kill(self, trainer, when: str) -> None:
         if trainer.global_step == self.step and trainer.global_rank == 0 and self.when == when:
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        self._kill(trainer, "between_steps")
+        self.last_micro_batch = (batch_idx + 1) % trainer.accumulate_grad_batches == 0
+        if batch_idx % trainer.accumulate_grad_batches == 0:
+            self._kill(trainer, "between_steps")
 
     def on_after_backward(self, trainer, pl_module) -> None:
-        self._kill(trainer, "inside_the_all_reduce")
+        if self.last_micro_batch:
+            self._kill(trainer, "inside_the_all_reduce")
 
 
 class StartTogether(L.Callback):
@@ -685,7 +688,8 @@ class HoldAt(L.Callback):
         self.step, self.path, self.after = step, Path(path), after
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        if trainer.global_step != self.step or trainer.global_rank != 0:
+        first = batch_idx % trainer.accumulate_grad_batches == 0  # of the step's micro-batches
+        if trainer.global_step != self.step or trainer.global_rank != 0 or not first:
             return
         deadline = time.monotonic() + slack(120)
         while not self.path.exists():
@@ -714,7 +718,8 @@ class ReplayText(TextDataModule):
     """The one-process reference of a replica-group run: at step k, the rows that the groups in `schedule[k]` (as
     the run logged them, `ft/groups`) trained of the step's `accumulate` global micro-batches, out of `num_groups`
     groups of `group_size` processes with `batch_size` rows each (`GlobalBatchSampler`'s order, as the groups drew
-    it), as one batch."""
+    it), as `accumulate` micro-batches (run with the same accumulate_grad_batches: Lightning logs the last one's
+    loss)."""
 
     def __init__(self, schedule: list[list[int]], num_groups: int, group_size: int, accumulate: int = 1, **kwargs):
         super().__init__(**kwargs)
@@ -725,13 +730,13 @@ class ReplayText(TextDataModule):
         replicas = self.num_groups * self.group_size
         order = GlobalBatchSampler(len(self.train_set), self.batch_size, replicas, 0, shuffle=True, seed=self.seed)
         batches, _ = order.epoch_batches()  # (micro-batch, replica, row)
-        micro = self.accumulate
         rows = [
             batches[
-                step * micro : (step + 1) * micro,
+                step * self.accumulate + micro,
                 [g * self.group_size + r for g in groups for r in range(self.group_size)],
             ]
             for step, groups in enumerate(self.schedule)
+            for micro in range(self.accumulate)
         ]
         return DataLoader(self.train_set, batch_sampler=[r.reshape(-1).tolist() for r in rows])
 

@@ -258,12 +258,17 @@ def test_what_replica_groups_cannot_take_is_refused_before_launch(tmp_path, monk
     assert proc.returncode == 2 and f"lighthouse={unreachable}: nothing answers there" in proc.stderr, proc.stderr
 
 
+ACCUMULATED = ("--data.init_args.batch_size=1", "--trainer.accumulate_grad_batches=2")
+"""The kill tests' groups: 2 micro-batches of 1 row a process per step (the same global batch of 8 rows)."""
+
+
 def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
     """Group 1 SIGKILLed whole at step 6 (`models.KillGroupAt`), `between_steps` (as the step starts, before it asks
-    for the step's quorum) or `inside_the_all_reduce` (after its backward, before the gradients cross groups), and
-    launched again once group 0 has gone on alone to step 10; group 0 waits for it at step 12 (`models.HoldAt`, so
-    that it comes back mid-run however long its start takes). Both first launched together (`models.StartTogether`).
-    The log directories: `survivor`, `returned`."""
+    for the step's quorum) or `inside_the_all_reduce` (after the step's last backward, before the gradients cross
+    groups), and launched again once group 0 has gone on alone to step 10; group 0 waits for it at step 12
+    (`models.HoldAt`, so that it comes back mid-run however long its start takes). Both first launched together
+    (`models.StartTogether`), each step 2 accumulated micro-batches (`ACCUMULATED`). The log directories: `survivor`,
+    `returned`."""
     base = tmp_path / when
     logs = {"survivor": base / "group0", "killed": base / "group1", "returned": base / "group1-back"}
     alone, back = base / "alone", base / "back"
@@ -272,8 +277,9 @@ def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
         together,
         callback("models.Touch", path=str(alone), step=10),
         callback("models.HoldAt", step=12, path=str(back), after=2.0),  # its join request comes right after
+        *ACCUMULATED,
     )
-    killed = (together, callback("models.KillGroupAt", step=6, when=when))
+    killed = (together, callback("models.KillGroupAt", step=6, when=when), *ACCUMULATED)
     with running_lighthouse(tmp_path, "--min-groups", "1", "--heartbeat-timeout-ms", "1000") as address:
         first = [
             launch(group_args(corpus, logs["survivor"], 0, address, *survivor), cwd=tmp_path),
@@ -286,7 +292,7 @@ def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
                 assert jobs[0].poll() is None and time.monotonic() < deadline, jobs[0].stderr()[-4000:]
                 time.sleep(0.02)
             returned = callback("models.Touch", path=str(back))
-            jobs.append(launch(group_args(corpus, logs["returned"], 1, address, returned), cwd=tmp_path))
+            jobs.append(launch(group_args(corpus, logs["returned"], 1, address, returned, *ACCUMULATED), cwd=tmp_path))
             for job in (jobs[0], jobs[2]):
                 assert job.wait(timeout=180) == 0, job.stderr()[-4000:]
     return logs
@@ -297,23 +303,31 @@ _replays: dict[str, dict[int, float]] = {}
 
 def replay(tmp_path, corpus, schedule: list[list[int]]) -> dict[int, float]:
     """One process's per-step losses fed, at each step, the rows of the groups `schedule` lists for it
-    (`models.ReplayText`), out of 2 groups of 2 processes with 2 rows each: single.yaml's run otherwise."""
+    (`models.ReplayText`), out of 2 groups of 2 processes with 2 micro-batches of 1 row each: single.yaml's run
+    otherwise."""
     key = json.dumps(schedule)
     if key not in _replays:
         log = tmp_path / f"replay{len(_replays)}"
         data = ["--data.class_path=models.ReplayText", f"--data.init_args.schedule={key}"]
-        sizes = ["--data.init_args.num_groups=2", "--data.init_args.group_size=2", "--data.init_args.batch_size=2"]
-        assert_ok(fit("single.yaml", log, *common(corpus, log / "cache"), *data, *sizes))
+        sizes = [
+            "--data.init_args.num_groups=2",
+            "--data.init_args.group_size=2",
+            "--data.init_args.batch_size=1",
+            "--data.init_args.accumulate=2",
+        ]
+        accumulate = "--trainer.accumulate_grad_batches=2"
+        assert_ok(fit("single.yaml", log, *common(corpus, log / "cache"), *data, *sizes, accumulate))
         _replays[key] = step_losses(log)
     return _replays[key]
 
 
 def test_a_killed_group_comes_back_healed_from_the_survivor_and_both_equal_a_one_process_replay(tmp_path, corpus):
-    """Group 1 SIGKILLed at step 6, once between steps and once inside the gradients' all-reduce, then launched
-    again. Group 0 trains on alone from the kill (it is held at step 12 until group 1's relaunch has started: a
-    forked one starts in well under a second) and commits each of its 20 steps exactly once (torchft's committed
-    count 1..20 against Lightning's steps). Killed inside the all-reduce, the step is tried again on the same batch
-    with the groups left. Group 1 comes back at the step group 0 is at: it copies
+    """Groups of 2 accumulated micro-batches a step. Group 1 SIGKILLed at step 6, once between steps and once inside
+    the gradients' all-reduce, then launched again. Group 0 trains on alone from the kill (it is held at step 12
+    until group 1's relaunch has started: a forked one starts in well under a second) and commits each of its 20 steps
+    exactly once (torchft's committed count 1..20 against Lightning's steps). Killed inside the all-reduce, the step is
+    tried again with the groups left on the same micro-batches (the first run again). Group 1 comes back at the step
+    group 0 is at: it copies
     group 0's model, optimizer and training position and continues from there (its first logged step is that one,
     committed once); both end with bit-identical parameters and AdamW state. Every step's loss (the job's: both
     groups log it) equals that of one process fed exactly the rows of the groups that took part (logged as
