@@ -199,6 +199,8 @@ def test_every_layout_inside_two_groups_equals_one_process(tmp_path, corpus, bas
         assert_same_losses({step: reference[step] for step in range(STEPS)}, step_losses(log))
         assert set(step_losses(log, "ft/groups").values()) == {3.0}
         assert list(step_losses(log, "ft/committed_steps").values()) == [float(s) for s in range(1, STEPS + 1)]
+        # FSDP2's units reduced across groups during backward (every gradient); DDP's after it
+        assert set(step_losses(log, "ft/overlapped").values()) == ({0.0} if layout == "ddp2" else {1.0}), layout
     for rank in range(4 if "fsdp2" in layout else 2):
         digests = [json.loads((log / "digest" / f"rank{rank}.json").read_text()) for log in logs]
         assert digests[0] == digests[1] and digests[0]["optimized"] > 0, digests

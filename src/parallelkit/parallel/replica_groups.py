@@ -30,6 +30,7 @@ from torch.distributed.tensor import DTensor
 
 from parallelkit.compat import local_shard
 from parallelkit.errors import ConfigError, ParallelkitError
+from parallelkit.parallel.group_reduce import OverlappedReduce, flat_all_reduce, reduce_op
 
 MAX_RETRIES = 10
 """How many times in a row a step that fails to commit is tried again before the run fails."""
@@ -53,6 +54,8 @@ class ReplicaGroups:
         lighthouse: The lighthouse's address (`http://HOST:PORT`, from `parallelkit lighthouse`); default:
             $TORCHFT_LIGHTHOUSE.
         min_groups: The fewest groups a step commits with.
+        overlap: Start each FSDP2 unit's cross-group all-reduce as backward produces its gradients (False: one flat
+            all-reduce after backward). Layouts without FSDP (DDP, tp alone) always take the flat one.
         timeout: Seconds a cross-group all-reduce or commit may take before the step fails.
         quorum_timeout: Seconds the groups may take to agree on a quorum.
         hostname: The name other groups reach this group's rank 0 by (default: this machine's).
@@ -62,6 +65,7 @@ class ReplicaGroups:
     num_groups: int
     lighthouse: str | None = None
     min_groups: int = 1
+    overlap: bool = True
     timeout: float = 60.0
     quorum_timeout: float = 60.0
     hostname: str | None = None
@@ -201,6 +205,8 @@ class ReplicaGroup:
             hostname=config.hostname or socket.gethostname(),
             init_sync=False,  # every group draws the same weights from the seed
         )
+        self.overlapped: OverlappedReduce | None = None
+        self.gradient_op = "mean"  # "sum" for a token step (`set_gradient_op`)
         self.committed: bool | None = None
         self.retries = 0  # steps tried again since the run started
         self.copied_steps = 0  # committed steps the join copied from another group instead of training them
@@ -232,9 +238,21 @@ class ReplicaGroup:
         self.state.position = position
         if self._quorum_ready:
             self._quorum_ready = False
-            return
-        self.manager.start_quorum()
-        self._check_quorum()
+        else:
+            self.manager.start_quorum()
+            self._check_quorum()
+        if not self._layouts_checked:
+            self._check_layouts()
+
+    def overlap(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Reduce these (FSDP2-sharded) parameters' gradients unit by unit during backward (`OverlappedReduce`)."""
+        self.overlapped = OverlappedReduce(self.manager, parameters)
+
+    def set_gradient_op(self, op: str) -> None:
+        """This step's reduction of the gradients across groups: "mean", or "sum" for a token step."""
+        self.gradient_op = op
+        if self.overlapped is not None:
+            self.overlapped.op = op
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -262,13 +280,13 @@ class ReplicaGroup:
             self._layouts_checked = False
 
     def _check_layouts(self) -> None:
-        """Refuse, at the first all-reduce of each new quorum, groups whose layouts differ (their gradients' shards
+        """Refuse, as each new quorum's first step starts, groups whose layouts differ (their gradients' shards
         would not match): a fingerprint of this group's summed with the others'."""
         fingerprint = int(hashlib.sha256(self.state.layout.encode()).hexdigest()[:6], 16)
         sums = torch.tensor([fingerprint, fingerprint**2], dtype=torch.float64)
-        self.manager.allreduce(sums, reduce_op=_reduce_op("sum")).wait()
+        self.manager.allreduce(sums, reduce_op=reduce_op("sum")).wait()
         if self.manager.errored() is not None:
-            return  # this step fails; the next quorum's first all-reduce checks again
+            return  # this step fails; the next quorum checks again
         count = self.manager.num_participants()
         if sums.tolist() != [count * fingerprint, count * fingerprint**2]:
             raise ReplicaGroupError(
@@ -278,27 +296,22 @@ class ReplicaGroup:
             )
         self.process_group.reconfigured, self._layouts_checked = False, True
 
-    def average_gradients(self, parameters: list[torch.nn.Parameter], reduce_op: str = "mean") -> None:
-        """Average (or, for token batches whose loss each group divides by the whole quorum's target count, sum)
-        each local gradient (a DTensor's shard) with the same rank's of every group of the step: one flat fp32
-        all-reduce (whatever the gradients' dtype, nothing is summed in bf16)."""
-        if not self._layouts_checked:
-            self._check_layouts()
-        grads = [local_shard(p.grad) for p in parameters if p.grad is not None]
-        if not grads:
-            return
-        flat = torch.cat([g.reshape(-1).float() for g in grads])
-        self.manager.allreduce(flat, reduce_op=_reduce_op(reduce_op)).wait()
-        offset = 0
-        for g in grads:
-            g.copy_(flat[offset : offset + g.numel()].view_as(g))
-            offset += g.numel()
+    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+        """Average (or, for token batches whose loss each group divides by the whole quorum's target count, sum:
+        `gradient_op`) each local gradient (a DTensor's shard) with the same rank's of every group of the step: what
+        the overlapped reduction sent during backward, waited for; the rest in one flat all-reduce. In fp32 whatever
+        the gradients' dtype: nothing is summed in bf16."""
+        if self.overlapped is not None:
+            rest = self.overlapped.finish(parameters)
+        else:
+            rest = [local_shard(p.grad) for p in parameters if p.grad is not None]
+        flat_all_reduce(self.manager, rest, self.gradient_op)
 
-    def reduce(self, value: torch.Tensor, reduce_op: Any) -> torch.Tensor:
+    def reduce(self, value: torch.Tensor, op: Any) -> torch.Tensor:
         """A logged value of this group (reduced over its own ranks) reduced across the step's groups as well:
         averaged for "mean", in fp32."""
         flat = value.detach().float().reshape(-1).clone()
-        self.manager.allreduce(flat, reduce_op=_reduce_op(reduce_op)).wait()
+        self.manager.allreduce(flat, reduce_op=reduce_op(op)).wait()
         return flat.view_as(value).to(value.dtype)
 
     def should_commit(self) -> bool:
@@ -317,6 +330,8 @@ class ReplicaGroup:
         self._check_quorum()
         healed, self.state.healed = self.state.healed, None
         if healed is None:
+            if not self._layouts_checked:
+                self._check_layouts()
             return False
         ahead = self.manager.current_step() - before
         if ahead != 1 or healed.get("global_step") != step + 1:
@@ -336,7 +351,8 @@ class ReplicaGroup:
 
     def metrics(self) -> dict[str, float]:
         """What the monitors log each step: the groups of the quorum (`ft/groups`, one bit each), how many took part,
-        the committed steps, whether this one committed, the tries again so far, the steps copied at the join."""
+        the committed steps, whether this one committed, the tries again so far, the steps copied (at the join or
+        healing in place), and the fraction of the gradients reduced across groups during backward."""
         return {
             "ft/participants": float(self.manager.num_participants()),
             "ft/groups": float(sum(1 << g for g in set(self.groups))),
@@ -344,6 +360,7 @@ class ReplicaGroup:
             "ft/committed": float(bool(self.committed)),
             "ft/retries": float(self.retries),
             "ft/copied_steps": float(self.copied_steps),
+            "ft/overlapped": self.overlapped.fraction if self.overlapped is not None else 0.0,
         }
 
     def failure(self, what: str) -> ReplicaGroupError:
@@ -397,15 +414,6 @@ def describe_layout(
     digest = hashlib.sha256(repr(shards).encode()).hexdigest()[:12]
     where = f"mesh_shape {mesh}" if mesh is not None else "ddp"
     return f"{world_size} processes on {where}, {len(parameters)} trained tensors (shards {digest})"
-
-
-def _reduce_op(name: Any) -> Any:
-    from torch.distributed import ReduceOp
-
-    if isinstance(name, ReduceOp.RedOpType):
-        return name
-    ops = {"mean": ReduceOp.AVG, "avg": ReduceOp.AVG, "sum": ReduceOp.SUM, "max": ReduceOp.MAX, "min": ReduceOp.MIN}
-    return ops[str(name).lower()]
 
 
 def _optimizer_state(optimizer: Any) -> dict[str, Any]:

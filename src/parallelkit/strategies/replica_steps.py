@@ -54,6 +54,11 @@ class ReplicaGroupSteps:
         """The group's mesh (a `MeshSpec`), None for DDP: part of the layout every group must share."""
         return None
 
+    def sharded_gradients(self) -> bool:
+        """Whether FSDP2 reduce-scatters the trained parameters' gradients, unit by unit (then the cross-group
+        reduction can start with each unit's: `ReplicaGroups.overlap`)."""
+        return False
+
     @contextmanager
     def training_across_groups(self) -> Generator[None, None, None]:
         """Around a training step's body: values it logs with `sync_dist` are reduced across the step's groups."""
@@ -94,6 +99,8 @@ class ReplicaGroupSteps:
         layout = describe_layout(self.world_size, self.group_mesh(), trained, buffers)
         state = GroupState(layout, trained, self.optimizers, buffers)
         self.replica_group = ReplicaGroup(self.replica_groups, self.global_rank, self.world_size, state)
+        if self.replica_groups.overlap and self.sharded_gradients():
+            self.replica_group.overlap(list(trained.values()))
         before_training_state_restored(self.lightning_module.trainer, self._join)
 
     def _join(self) -> None:
@@ -152,6 +159,7 @@ class ReplicaGroupSteps:
         first = self._step_batches[0][0]
         if not (isinstance(first, Mapping) and REPLICA_TARGETS in first):
             self._step_targets = None
+            self.replica_group.set_gradient_op("mean")
             return
         size, _ = self.group_data_parallel()
         start = self.replica_groups.group * size
@@ -160,6 +168,7 @@ class ReplicaGroupSteps:
         self._step_targets = total.to(first["num_targets"].device)
         for batch, _ in self._step_batches:
             batch["num_targets"] = self._step_targets
+        self.replica_group.set_gradient_op("sum")
 
     def _replay(self, optimizer: Any) -> None:
         """Before a retry: the step's gradients zeroed, a token step's count taken for the new quorum, and the
@@ -182,11 +191,10 @@ class ReplicaGroupSteps:
         group = self.replica_group
         if group is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
-        reduce_op = "sum" if self._step_targets is not None else "mean"
 
         def averaged() -> Any:
             result = closure()
-            group.average_gradients(list(group.state.parameters.values()), reduce_op)
+            group.average_gradients(list(group.state.parameters.values()))
             return result
 
         module = self.lightning_module

@@ -146,6 +146,10 @@ class ParallelSteps(ReplicaGroupSteps):
         return self.mesh_spec
 
     @override
+    def sharded_gradients(self) -> bool:
+        return self.data_parallel.fsdp
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.training_across_groups(), self.loss_context(), self.precision_plugin.train_step_context():
             return self._in_root_forward("training_step", *args, **kwargs)
