@@ -1,7 +1,15 @@
-"""What losing a replica group costs the others: the survivor's steps around a SIGKILL, and a restart's way back.
+"""What losing a replica group costs the others: the survivor's steps around a SIGKILL, and a restart's way back;
+and (`--compare`) what replica groups cost against HSDP on the same processes, with and without the overlap.
 
     python benchmarks/replica_groups.py                          # 2 groups x 1 process, kill at 100, 3 s down
     python benchmarks/replica_groups.py --processes 2 --heartbeat-ms 500 --steps 3000
+    python benchmarks/replica_groups.py --compare --processes 2 --steps 60
+
+`--compare` runs, one after the other on the same machine, the same model and global batch three ways on 2 x
+`--processes` processes: HSDP without torchft (`[[2, n], ["replicate", "fsdp"]]`, one launch), and 2 replica groups
+of `[[n], ["fsdp"]]` with the cross-group all-reduce flat after backward (`overlap=false`) and per FSDP unit during
+backward (`overlap=true`); each one's median step (after `--warmup`) and the groups' as ratios of HSDP's. The model
+is hybrid.yaml's GPT at `--layers` x `--width`. Writes results/replica_groups_overlap.json.
 
 `parallelkit lighthouse` and two replica groups, each `parallelkit fit --config configs/hybrid.yaml` as a user
 launches it (`[[n], ["fsdp"]]` inside each group, fp32, its own session). When group 1 reaches step `--kill-at`, its
@@ -54,7 +62,8 @@ def start(command: list[str], log: Path, env: dict[str, str]) -> subprocess.Pope
     return subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def group_command(group: int, address: str, args: argparse.Namespace, log: Path) -> list[str]:
+def fit_command(args: argparse.Namespace, log: Path, mesh: str, devices: int, *extra: str) -> list[str]:
+    """hybrid.yaml on `mesh` over `devices` processes for `--steps` steps, rank 0's step ends written to log."""
     clock = {"class_path": "replica_groups.StepClock", "init_args": {"path": str(log / "clock.jsonl")}}
     return [
         sys.executable,
@@ -63,18 +72,29 @@ def group_command(group: int, address: str, args: argparse.Namespace, log: Path)
         "fit",
         "--config",
         str(REPO / "configs" / "hybrid.yaml"),
-        f'--trainer.strategy.mesh_shape=[[{args.processes}], ["fsdp"]]',
-        f"--trainer.devices={args.processes}",
+        f"--trainer.strategy.mesh_shape={mesh}",
+        f"--trainer.devices={devices}",
         f"--trainer.max_steps={args.steps}",
         "--trainer.limit_val_batches=0",
         "--trainer.enable_progress_bar=false",
         f"--trainer.logger.init_args.save_dir={log}",
+        f"--trainer.callbacks+={json.dumps(clock)}",
+        *extra,
+    ]
+
+
+def group_command(group: int, address: str, args: argparse.Namespace, log: Path, *extra: str) -> list[str]:
+    return fit_command(
+        args,
+        log,
+        f'[[{args.processes}], ["fsdp"]]',
+        args.processes,
         f"--trainer.strategy.replica_groups.group={group}",
         "--trainer.strategy.replica_groups.num_groups=2",
         f"--trainer.strategy.replica_groups.lighthouse={address}",
         "--trainer.strategy.replica_groups.hostname=127.0.0.1",
-        f"--trainer.callbacks+={json.dumps(clock)}",
-    ]
+        *extra,
+    )
 
 
 def clock(log: Path) -> list[dict[str, float]]:
@@ -89,6 +109,65 @@ def groups_per_step(log: Path) -> dict[int, int]:
     }
 
 
+def median_step(log: Path, warmup: int) -> float:
+    ends = [entry["t"] for entry in clock(log)]
+    return statistics.median([b - a for a, b in zip(ends, ends[1:])][warmup:])
+
+
+def compare(args: argparse.Namespace, env: dict[str, str]) -> None:
+    """HSDP, then 2 groups flat, then 2 groups overlapped, on the same processes (module docstring)."""
+    model = [f"--model.init_args.n_layer={args.layers}", f"--model.init_args.n_embd={args.width}"]
+    batch = ["--data.init_args.batch_size=2"]  # a global batch of 2 x 2 x n rows, every way
+    medians = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        hsdp = fit_command(args, root / "hsdp", f'[[2, {args.processes}], ["replicate", "fsdp"]]', 2 * args.processes)
+        if start([*hsdp, *model, *batch], root / "hsdp", env).wait() != 0:
+            sys.exit(f"HSDP failed: {(root / 'hsdp.out').read_text()[-3000:]}")
+        medians["hsdp"] = median_step(root / "hsdp", args.warmup)
+        for overlap in (False, True):
+            name = "groups_overlapped" if overlap else "groups_flat"
+            port = free_port()
+            lighthouse = [
+                sys.executable,
+                "-m",
+                "parallelkit.cli",
+                "lighthouse",
+                "--port",
+                str(port),
+                "--min-groups",
+                "2",
+            ]
+            lighthouse_job = start(lighthouse, root / f"{name}-lh", env)
+            try:
+                time.sleep(2)
+                option = f"--trainer.strategy.replica_groups.overlap={str(overlap).lower()}"
+                logs = [root / f"{name}{g}" for g in (0, 1)]
+                address = f"http://127.0.0.1:{port}"
+                jobs = [
+                    start([*group_command(g, address, args, logs[g], option), *model, *batch], logs[g], env)
+                    for g in (0, 1)
+                ]
+                if any(job.wait(timeout=3600) != 0 for job in jobs):
+                    sys.exit(f"{name} failed: {(root / f'{name}0.out').read_text()[-3000:]}")
+            finally:
+                os.killpg(lighthouse_job.pid, signal.SIGTERM)
+                lighthouse_job.wait()
+            medians[name] = median_step(logs[0], args.warmup)
+    result = {
+        "machine": machine(),
+        "processes": 2 * args.processes,
+        "model": f"GPT {args.layers} layers x {args.width}",
+        "steps": args.steps,
+        "median_step_s": medians,
+        "groups_flat_vs_hsdp": medians["groups_flat"] / medians["hsdp"],
+        "groups_overlapped_vs_hsdp": medians["groups_overlapped"] / medians["hsdp"],
+        "overlapped_vs_flat": medians["groups_overlapped"] / medians["groups_flat"],
+    }
+    print(f"wrote {write(args.name, result)}")
+    print(json.dumps(result, indent=2))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--processes", type=int, default=1, help="processes per group (default: %(default)s)")
@@ -97,14 +176,21 @@ def main() -> None:
     parser.add_argument("--down", type=float, default=3.0, help="seconds before group 1 is launched again")
     parser.add_argument("--heartbeat-ms", type=int, default=1000, help="the lighthouse's heartbeat timeout")
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--name", default="replica_groups")
+    parser.add_argument("--name", default=None, help="default: replica_groups, or replica_groups_overlap")
+    parser.add_argument("--compare", action="store_true", help="HSDP against groups flat and overlapped")
+    parser.add_argument("--layers", type=int, default=4, help="--compare's model depth (default: %(default)s)")
+    parser.add_argument("--width", type=int, default=256, help="--compare's model width (default: %(default)s)")
     args = parser.parse_args()
+    args.name = args.name or ("replica_groups_overlap" if args.compare else "replica_groups")
     env = dict(
         os.environ,
         OMP_NUM_THREADS="1",
         PYTHONWARNINGS="ignore",
         PYTHONPATH=os.pathsep.join(filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])),
     )
+    if args.compare:
+        compare(args, env)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         port = free_port()

@@ -93,16 +93,37 @@ def lighthouse(tmp_path_factory):
         yield address
 
 
-def test_two_replica_groups_train_as_one_process_and_end_bit_identical(tmp_path, corpus, baseline, lighthouse):
-    """2 groups x [[2], ["fsdp"]], each its own launch: every step has both groups in its quorum and commits; both
-    log one process's loss (fp32, 1e-5: `train_loss` is averaged across the groups too) and end with the same
-    parameters and AdamW state, shard by shard."""
-    jobs = [launch(group_args(corpus, tmp_path / f"group{g}", g, lighthouse), cwd=tmp_path) for g in (0, 1)]
-    for job in jobs:
-        job.wait(timeout=300)
-    for job in jobs:
-        assert job.returncode == 0, job.stderr()[-4000:]
+def test_two_replica_groups_train_as_one_process_and_end_bit_identical(tmp_path, corpus, baseline):
+    """2 groups x [[2], ["fsdp"]], each its own launch, group 1 launched 2 s after group 0 has started, on a lighthouse
+    that forms a quorum with 1 group: group 0's first step waits for group 1 (a job's first step waits for all its
+    groups), so every step has both in its quorum and commits; both log one process's loss (fp32, 1e-5: `train_loss`
+    is averaged across the groups too) and end with the same parameters and AdamW state, shard by shard. Group 1
+    launched again once both have finished finds no group to start with or copy from: it stops within its
+    quorum_timeout, saying the job may have finished, instead of training a run of its own from step 0."""
     logs = [tmp_path / f"group{g}" for g in (0, 1)]
+    started = tmp_path / "started"
+    with running_lighthouse(tmp_path, "--min-groups", "1") as address:
+        first = launch(
+            group_args(corpus, logs[0], 0, address, callback("models.Touch", path=str(started))), cwd=tmp_path
+        )
+        with none_left([first]) as jobs:
+            deadline = time.monotonic() + slack(120)
+            while not started.exists():
+                assert first.poll() is None and time.monotonic() < deadline, first.stderr()[-4000:]
+                time.sleep(0.05)
+            time.sleep(2.0)
+            jobs.append(launch(group_args(corpus, logs[1], 1, address), cwd=tmp_path))
+            for job in jobs:
+                assert job.wait(timeout=300) == 0, job.stderr()[-4000:]
+            late = group_args(
+                corpus, tmp_path / "late", 1, address, "--trainer.strategy.replica_groups.quorum_timeout=3"
+            )
+            jobs.append(launch(late, cwd=tmp_path))
+            assert jobs[2].wait(timeout=120) != 0
+    assert re.search(
+        r"groups \[0\] did not join within quorum_timeout=3 s .*job already finished.*Fix:", jobs[2].stderr()
+    )
+    assert not list((tmp_path / "late").rglob("metrics.csv")) or not step_losses(tmp_path / "late")
     for log in logs:  # each group logs the job's loss: its own rows' averaged with the other's
         assert_same_losses(baseline("plain").losses(), step_losses(log))
     for log in logs:

@@ -27,3 +27,7 @@ class PluginWarning(UserWarning):
 
 class ConfigError(ParallelkitError, ValueError):
     """A strategy argument or Trainer flag that parallelkit cannot honour."""
+
+
+class ReplicaGroupError(ParallelkitError):
+    """A replica group cannot go on: its step keeps failing to commit, or the groups do not fit together."""

@@ -20,27 +20,24 @@ from __future__ import annotations
 import hashlib
 import os
 import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 from urllib.parse import urlsplit
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from parallelkit.compat import local_shard
-from parallelkit.errors import ConfigError, ParallelkitError
+from parallelkit.errors import ConfigError, ReplicaGroupError
 from parallelkit.parallel.group_reduce import OverlappedReduce, flat_all_reduce, reduce_op
+from parallelkit.parallel.group_state import GroupState
 
 MAX_RETRIES = 10
 """How many times in a row a step that fails to commit is tried again before the run fails."""
 
 LIGHTHOUSE_VARIABLE = "TORCHFT_LIGHTHOUSE"
 """The environment variable torchft reads the lighthouse's address from when none is given."""
-
-
-class ReplicaGroupError(ParallelkitError):
-    """A replica group cannot go on: its step keeps failing to commit."""
 
 
 @dataclass(frozen=True)
@@ -129,53 +126,6 @@ class ReplicaGroups:
             ) from err
 
 
-class GroupState:
-    """What a group that comes back copies from a healthy one (torchft's `state_dict` and `load_state_dict`, sent
-    over its HTTP checkpoint transport): this rank's shards of the trained parameters, the model's buffers (BatchNorm
-    statistics and any other a step changes), the optimizers' states, and the training position as the step began
-    (`position`: loops, schedulers, data position, RNG). torchft reads it on its quorum thread while the main thread
-    waits for the quorum (between steps, or before a step is tried again), so nothing moves under it; the tensors are
-    taken sharded, as named at the group's join, not through the model's `state_dict` hooks. `layout` (processes,
-    mesh, trained shards, buffers) must be the same on both sides."""
-
-    def __init__(
-        self,
-        layout: str,
-        parameters: dict[str, torch.nn.Parameter],
-        optimizers: list[Any],
-        buffers: dict[str, torch.Tensor] | None = None,
-    ) -> None:
-        self.layout, self.parameters, self.optimizers = layout, parameters, optimizers
-        self.buffers = buffers or {}
-        self.position: dict[str, Any] = {}
-        self.healed: dict[str, Any] | None = None  # the position copied, at the join or in the middle of a step
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "layout": self.layout,
-            "parameters": {name: local_shard(p).detach() for name, p in self.parameters.items()},
-            "buffers": {name: local_shard(b).detach() for name, b in self.buffers.items()},
-            "optimizers": [_optimizer_state(optimizer) for optimizer in self.optimizers],
-            "position": self.position,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        if state["layout"] != self.layout:
-            raise ReplicaGroupError(
-                f"this replica group cannot take the state of the group it heals from: that one runs "
-                f"{state['layout']}, this one {self.layout}. Fix: launch every group with the same mesh_shape, "
-                "devices and model."
-            )
-        with torch.no_grad():
-            for name, param in self.parameters.items():
-                local_shard(param).copy_(state["parameters"][name])
-            for name, buffer in self.buffers.items():
-                local_shard(buffer).copy_(state["buffers"][name])
-        for optimizer, saved in zip(self.optimizers, state["optimizers"]):
-            optimizer.load_state_dict(_optimizer_state_back(saved, optimizer))
-        self.healed = state["position"]
-
-
 class ReplicaGroup:
     """This rank's part in the replica groups: torchft's `Manager` over a gloo process group across the groups (this
     rank and the same rank of every other group). The first quorum is the group's `join`, as its run starts or
@@ -217,16 +167,31 @@ class ReplicaGroup:
         """The group's first quorum, as its run starts at committed `step` (0, or a durable checkpoint's) with the
         training `position` it would send a group further behind. A group behind the others copies the state of
         one of them here: its model and optimizers are theirs on return, and the training position copied is
-        returned (None if the group was not behind)."""
+        returned (None if the group was not behind).
+
+        A job's first step (every group of the quorum at committed step 0) waits for all `num_groups` groups, up to
+        `quorum_timeout` seconds: groups launched seconds apart start together instead of the first training alone
+        (`min_groups` only lets later steps commit without the groups that failed). A group that finds no other there
+        (not started, or the job finished before it was relaunched) stops, saying so."""
         self.manager.load_state_dict({"step": step, "batches_committed": batches_committed})
         self.state.position = position
-        for _ in range(MAX_RETRIES + 1):
-            self.manager.start_quorum()
+        deadline, tries = time.monotonic() + self.config.quorum_timeout, 0
+        while True:
+            try:
+                self.manager.start_quorum()
+            except TimeoutError as err:  # the lighthouse waits for groups of its last quorum, which are gone
+                raise self.missing_at_start([]) from err
             self._check_quorum()
-            if self.manager.errored() is None:
+            if self.manager.errored() is not None:
+                tries += 1
+                if tries > MAX_RETRIES:
+                    raise self.failure(f"could not join the others at step {step}")
+                continue
+            if self.manager.current_step() > 0 or len(set(self.groups)) == self.config.num_groups:
                 break
-        else:
-            raise self.failure(f"could not join the others at step {step}")
+            if time.monotonic() > deadline:
+                raise self.missing_at_start(sorted(set(self.groups)))
+            time.sleep(0.2)  # and ask again: the others' first quorum requests come as they start
         self._quorum_ready, self._layouts_checked = True, False
         healed, self.state.healed = self.state.healed, None
         self.copied_steps = self.manager.current_step() - step if healed is not None else 0
@@ -363,6 +328,17 @@ class ReplicaGroup:
             "ft/overlapped": self.overlapped.fraction if self.overlapped is not None else 0.0,
         }
 
+    def missing_at_start(self, present: list[int]) -> ReplicaGroupError:
+        missing = sorted(set(range(self.config.num_groups)) - set(present) - {self.config.group})
+        return ReplicaGroupError(
+            f"replica group {self.config.group}: the job's first step waits for all {self.config.num_groups} groups, "
+            f"and groups {missing} did not join within quorum_timeout={self.config.quorum_timeout:g} s (at step 0: "
+            f"{present or [self.config.group]}). Either they are not started yet, or the job already finished "
+            "and this group was launched again after the others ended: no group is left to copy the trained state "
+            "from, and training alone from step 0 would give other weights. Fix: launch every group (each waits for "
+            "the others, up to replica_groups.quorum_timeout); for a finished job, use its final checkpoints."
+        )
+
     def failure(self, what: str) -> ReplicaGroupError:
         return ReplicaGroupError(
             f"replica group {self.config.group} {what}: {MAX_RETRIES + 1} tries in a row failed (a group failing in "
@@ -402,43 +378,6 @@ class CommitGate:
 
     def __getattr__(self, name: str) -> Any:  # param_groups, state, zero_grad, ...: the optimizer's
         return getattr(self.optimizer, name)
-
-
-def describe_layout(
-    world_size: int, mesh: Any, parameters: dict[str, torch.nn.Parameter], buffers: dict[str, torch.Tensor]
-) -> str:
-    """What two groups' ranks must share to average their gradients and copy each other's state: the processes, the
-    mesh (or "ddp"), and this rank's shards of the trained parameters and of the buffers (names, shapes, dtypes; a
-    digest)."""
-    shards = [(name, tuple(local_shard(t).shape), str(t.dtype)) for name, t in {**parameters, **buffers}.items()]
-    digest = hashlib.sha256(repr(shards).encode()).hexdigest()[:12]
-    where = f"mesh_shape {mesh}" if mesh is not None else "ddp"
-    return f"{world_size} processes on {where}, {len(parameters)} trained tensors (shards {digest})"
-
-
-def _optimizer_state(optimizer: Any) -> dict[str, Any]:
-    """An optimizer's `state_dict` with its DTensors as their local shards and their layout (a DTensor's mesh does
-    not travel): see `_optimizer_state_back`."""
-    saved = optimizer.state_dict()
-    state, layouts = {}, {}
-    for index, entries in saved["state"].items():
-        state[index] = {key: local_shard(value) for key, value in entries.items()}
-        for key, value in entries.items():
-            if isinstance(value, DTensor):
-                layouts[(index, key)] = (value.shape, value.stride(), value.placements)
-    return {"state": state, "param_groups": saved["param_groups"], "dtensors": layouts}
-
-
-def _optimizer_state_back(saved: dict[str, Any], optimizer: Any) -> dict[str, Any]:
-    """`_optimizer_state`'s state for `optimizer` (this group's, of the same layout), its shards made DTensors again
-    on their parameters' meshes."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
-    state = {index: dict(entries) for index, entries in saved["state"].items()}
-    for (index, key), (shape, stride, placements) in saved["dtensors"].items():
-        mesh = params[index].device_mesh
-        local = state[index][key].to(params[index].device)
-        state[index][key] = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
-    return {"state": state, "param_groups": saved["param_groups"]}
 
 
 def _quorum_process_group(timeout: timedelta) -> Any:

@@ -31,7 +31,8 @@ from parallelkit.compat import (
 )
 from parallelkit.contract import REPLICA_TARGETS, is_preference_batch
 from parallelkit.errors import ConfigError
-from parallelkit.parallel.replica_groups import CommitGate, GroupState, ReplicaGroup, ReplicaGroups, describe_layout
+from parallelkit.parallel.group_state import GroupState, describe_layout
+from parallelkit.parallel.replica_groups import CommitGate, ReplicaGroup, ReplicaGroups
 
 
 class ReplicaGroupSteps:
