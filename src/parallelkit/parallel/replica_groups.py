@@ -206,6 +206,14 @@ class ReplicaGroup:
         else:
             self.manager.start_quorum()
             self._check_quorum()
+            if self.state.healed is not None:
+                raise ReplicaGroupError(
+                    f"replica group {self.config.group} fell behind the others between steps: they committed step "
+                    f"{position.get('global_step')} without it (it asked for the step's quorum after the lighthouse's "
+                    "join timeout) and have copied their state to it, but its loops are a step behind. Fix: restart "
+                    "this group (it copies their state and position as it joins); a group that stalls for that long "
+                    "needs a longer `parallelkit lighthouse --join-timeout-ms`."
+                )
         if not self._layouts_checked:
             self._check_layouts()
 
