@@ -4,7 +4,9 @@ forked by the repository's test harness, tests/README.md; the install tests star
 from __future__ import annotations
 
 import csv
+import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,6 +24,7 @@ DDP_CONFIG = REPO / "configs" / "ddp.yaml"
 PARAMS = 131_392  # the configs' GPT (n_layer=2, n_embd=64, byte vocabulary)
 
 sys.path.insert(0, str(REPO / "tests"))
+from support import launch, step_losses  # noqa: E402
 from support import parallelkit as cli  # noqa: E402 - the repository's harness: ranks forked from a warm process
 
 
@@ -213,6 +216,69 @@ def test_sigterm_between_syncs_saves_last_and_the_relaunch_continues_exactly(tmp
     resumed = fit(CONFIG, tmp_path / "resumed", corpus, *WINDOWS, keep_checkpoints_in(ckpt), "--ckpt_path=last")
     assert sorted(resumed["train_loss"]) == list(range(7, 12))
     assert_same({s: straight[s] for s in range(7, 12)}, resumed["train_loss"], rtol=1e-6)
+
+
+def test_over_replica_groups_a_killed_group_costs_only_its_inner_steps(tmp_path, corpus):
+    """WINDOWS' run as 2 replica groups of one process each (each group a replica, no replicate axis; torchft's
+    quorum at each synchronisation, steps 3, 7 and 11). Group 1 SIGKILLed as its step 5 starts, between the first
+    and second synchronisation: group 0 trains on, never failing, and each of its synchronisations is the outer step
+    written out by hand over the groups that took part (both at step 3; group 0 alone at 7 and 11, after the
+    lighthouse's 1 s heartbeat timeout): group 1's inner steps 4-5 are all the job lost."""
+    from torchft.coordination import LighthouseServer
+
+    server = LighthouseServer(bind="[::]:0", min_replicas=1, join_timeout_ms=60_000, heartbeat_timeout_ms=1000)
+    address = f"http://127.0.0.1:{server.address().rsplit(':', 1)[1]}"
+    logs, syncs = [tmp_path / f"group{g}" for g in (0, 1)], [tmp_path / f"syncs{g}" for g in (0, 1)]
+    kill = (
+        '--trainer.callbacks+={"class_path": "models.KillGroupAt", "init_args": {"step": 5, "when": "between_steps"}}'
+    )
+    jobs = []
+    try:
+        for g in (0, 1):
+            logs[g].mkdir()
+            record = {"class_path": "diloco_callbacks.RecordSyncs", "init_args": {"dirpath": str(syncs[g])}}
+            command = [
+                "fit",
+                f"--config={CONFIG}",
+                '--trainer.strategy.mesh_shape=[[1], ["fsdp"]]',
+                "--trainer.devices=1",
+                f"--trainer.strategy.replica_groups.group={g}",
+                "--trainer.strategy.replica_groups.num_groups=2",
+                f"--trainer.strategy.replica_groups.lighthouse={address}",
+                "--trainer.strategy.replica_groups.hostname=127.0.0.1",
+                f"--trainer.logger.init_args.save_dir={logs[g]}",
+                "--trainer.enable_progress_bar=false",
+                "--trainer.limit_val_batches=0",
+                f"--data.init_args.paths={corpus}",
+                f"--data.init_args.cache_dir={tmp_path / 'cache'}",
+                f"--trainer.callbacks+={json.dumps(record)}",
+                *WINDOWS,
+                *([kill] if g == 1 else []),
+            ]
+            jobs.append(launch(command, cwd=logs[g], PYTHONPATH=str(TESTS)))
+        assert jobs[1].wait(timeout=300) == -signal.SIGKILL, jobs[1].stderr()[-3000:]
+        assert jobs[0].wait(timeout=300) == 0, jobs[0].stderr()[-3000:]
+    finally:
+        for job in jobs:
+            if job.poll() is None:
+                job.kill()
+        server.shutdown()
+    participants, committed = (step_losses(logs[0], f"ft/{key}") for key in ("participants", "committed_steps"))
+    assert [(participants[s], committed[s]) for s in (3, 7, 11)] == [(2.0, 1.0), (1.0, 2.0), (1.0, 3.0)]
+    lr, mu = 0.7, 0.5
+    anchor, other = (torch.load(syncs[g] / "rank0_start.pt") for g in (0, 1))
+    assert all(torch.equal(anchor[k], other[k]) for k in anchor)  # both groups start from the same weights
+    momentum: dict[str, torch.Tensor] = {}
+    for step, groups in ((3, (0, 1)), (7, (0,)), (11, (0,))):
+        records = [torch.load(syncs[g] / f"rank0_sync{step}.pt") for g in groups]
+        for name, start in anchor.items():
+            g = start.double() - sum(r["before"][name].double() for r in records) / len(records)
+            momentum[name] = g if step == 3 else mu * momentum[name] + g
+            expected = start.double() - lr * (g + mu * momentum[name])
+            for record in records:
+                torch.testing.assert_close(record["after"][name].double(), expected, rtol=0, atol=2e-7)
+        anchor = records[0]["after"]
+    assert not (syncs[1] / "rank0_sync7.pt").exists()
 
 
 def test_mesh_without_replicate_axis_is_refused_with_a_fix(tmp_path):

@@ -55,6 +55,15 @@ class ReplicaGroupSteps:
         """The group's mesh (a `MeshSpec`), None for DDP: part of the layout every group must share."""
         return None
 
+    def steps_across_groups(self) -> bool:
+        """Whether every optimizer step crosses the groups (a quorum, its gradients reduced, a commit). A strategy
+        whose groups meet less often (DiLoCo's outer steps) says no and asks for its own quorums."""
+        return True
+
+    def check_join(self, healed: dict[str, Any] | None) -> None:
+        """Called as the group has joined, with the training position it copied from another (None if it was not
+        behind): a strategy refuses here what it cannot continue from."""
+
     def sharded_gradients(self) -> bool:
         """Whether FSDP2 reduce-scatters the trained parameters' gradients, unit by unit (then the cross-group
         reduction can start with each unit's: `ReplicaGroups.overlap`)."""
@@ -74,7 +83,7 @@ class ReplicaGroupSteps:
         """A logged value's `sync_dist` reduction, over `group` (default: every rank); under replica groups, a value
         logged in the training step across the step's groups too: `train_loss` is the job's, as one process's."""
         reduced = reduce_logged(tensor, group, reduce_op)
-        if self.replica_group is None or not self._in_training_step:
+        if self.replica_group is None or not self._in_training_step or not self.steps_across_groups():
             return reduced
         return self.replica_group.reduce(reduced, reduce_op)
 
@@ -100,7 +109,7 @@ class ReplicaGroupSteps:
         layout = describe_layout(self.world_size, self.group_mesh(), trained, buffers)
         state = GroupState(layout, trained, self.optimizers, buffers)
         self.replica_group = ReplicaGroup(self.replica_groups, self.global_rank, self.world_size, state)
-        if self.replica_groups.overlap and self.sharded_gradients():
+        if self.replica_groups.overlap and self.sharded_gradients() and self.steps_across_groups():
             self.replica_group.overlap(list(trained.values()))
         before_training_state_restored(self.lightning_module.trainer, self._join)
 
@@ -113,6 +122,7 @@ class ReplicaGroupSteps:
         step = restored.get("step", loaded.get("global_step", 0))
         position = loaded or {**training_position(trainer), "rng": rng_states()}
         healed = group.join(step, restored.get("batches_committed", 0), position)
+        self.check_join(healed)
         if healed is not None:
             rng = healed.pop("rng", None)
             restore_training_position(trainer, healed)
@@ -128,7 +138,7 @@ class ReplicaGroupSteps:
         """The first micro-batch of an optimizer step asks for the step's quorum (and, for a token batch, the
         quorum's target count); every micro-batch is kept until the step ends, for a retry to run again."""
         super().on_train_batch_start(batch, batch_idx)
-        if self.replica_group is None:
+        if self.replica_group is None or not self.steps_across_groups():
             return
         if is_preference_batch(batch):
             raise ConfigError(
@@ -190,7 +200,7 @@ class ReplicaGroupSteps:
         """Under replica groups: the closure's gradients averaged across the step's groups before the loop clips
         them, and the optimizer stepped only if the step commits (`CommitGate`); what the quorum was, logged."""
         group = self.replica_group
-        if group is None:
+        if group is None or not self.steps_across_groups():
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def averaged() -> Any:

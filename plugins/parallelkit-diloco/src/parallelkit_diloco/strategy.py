@@ -9,6 +9,12 @@ SGD inner optimizer, it is exactly data-parallel SGD.
 
 Communication across replicas is one all-reduce of the parameters every `sync_every` steps instead of one of
 the gradients every step: 1/`sync_every` of DDP's bytes.
+
+Over replica groups (`replica_groups`, torchft), each group is a replica: its own launch and mesh (no `replicate`
+axis), no communication between groups during the inner steps, and each synchronisation an outer step through
+torchft's quorum: the groups still there average their pseudo-gradients and take the outer step only when it
+commits; one that failed is left out of a retry. A group lost between synchronisations costs the job only that
+group's inner steps.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ from typing_extensions import override
 
 from parallelkit import CheckpointError, CommHook, ConfigError, FSDPTPStrategy, MeshSpec, parallelize, resolve_comm_hook
 from parallelkit.checkpoint.strategy import FLAT
+from parallelkit.parallel.replica_groups import MAX_RETRIES
 from parallelkit.strategies.base import MeshShape
 
 
@@ -93,11 +100,12 @@ class DiLoCoStrategy(FSDPTPStrategy):
         return [[-1], ["replicate"]]
 
     def full_mesh_spec(self, spec: MeshSpec) -> MeshSpec:
-        if "replicate" not in spec.names:
+        if "replicate" not in spec.names and self.replica_groups is None:
             raise ConfigError(
                 f"strategy diloco needs a 'replicate' axis (the replicas that synchronise every sync_every steps), "
                 f'but mesh_shape is {spec}. Fix: [[{spec.world_size}], ["replicate"]], or put replicate outermost '
-                f"before the inner axes: {MeshSpec((1, *spec.sizes), ('replicate', *spec.names))} with its size."
+                f"before the inner axes: {MeshSpec((1, *spec.sizes), ('replicate', *spec.names))} with its size; "
+                "or make each replica a replica group of its own (replica_groups)."
             )
         return super().full_mesh_spec(spec)
 
@@ -123,12 +131,29 @@ class DiLoCoStrategy(FSDPTPStrategy):
         return self.device_mesh["replicate"].get_local_rank()
 
     @override
+    def steps_across_groups(self) -> bool:
+        return False  # the groups meet at the synchronisations only
+
+    @override
+    def check_join(self, healed: dict[str, Any] | None) -> None:
+        if healed is not None:
+            raise ConfigError(
+                f"replica group {self.replica_groups.group} joined a DiLoCo job the other groups had already trained: "
+                "a group coming back between synchronisations is not done yet. Fix: relaunch every group from its "
+                "last checkpoint (--ckpt_path=last), or let the others go on without it."
+            )
+
+    @override
     def optimizer_step(self, optimizer: Any, closure: Any, model: Any = None, **kwargs: Any) -> Any:
         if self._anchor is None:  # first step of this fit (fresh or resumed): the weights all replicas share
             self._set_anchor()
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         if (self.lightning_module.trainer.global_step + 1) % self.sync_every == 0:
             self.synchronize()
+            if self.replica_group is not None:
+                metrics, module = self.replica_group.metrics(), self.lightning_module
+                module.log("ft/participants", metrics.pop("ft/participants"), on_step=True, on_epoch=False)
+                module.log_dict(metrics, on_step=True, on_epoch=False)
         return output
 
     @override
@@ -152,13 +177,16 @@ class DiLoCoStrategy(FSDPTPStrategy):
     @torch.no_grad()
     def synchronize(self) -> None:
         """Average the pseudo-gradients (anchor - local) over the replicas, take the outer step, continue from it."""
-        replicate = self.device_mesh["replicate"]
         local = self._local_parameters()
         pseudo = torch.cat([(a - p).flatten() for a, p in zip(self._anchor, local)])
-        wire = pseudo.to(self.outer_hook.reduce_dtype or pseudo.dtype)
-        # Divide before the sum so fp16 cannot overflow; bf16/fp32 lose nothing by it.
-        wire.div_(replicate.size())
-        dist.all_reduce(wire, group=replicate.get_group())
+        if self.replica_group is not None:
+            wire = self._averaged_over_groups(pseudo)
+        else:
+            replicate = self.device_mesh["replicate"]
+            wire = pseudo.to(self.outer_hook.reduce_dtype or pseudo.dtype)
+            # Divide before the sum so fp16 cannot overflow; bf16/fp32 lose nothing by it.
+            wire.div_(replicate.size())
+            dist.all_reduce(wire, group=replicate.get_group())
         offset = 0
         for anchor in self._anchor:
             anchor.grad = wire[offset : offset + anchor.numel()].view_as(anchor).to(anchor.dtype)
@@ -167,6 +195,23 @@ class DiLoCoStrategy(FSDPTPStrategy):
         self._outer_optimizer.zero_grad(set_to_none=True)
         for param, anchor in zip(local, self._anchor):
             param.copy_(anchor)
+
+    def _averaged_over_groups(self, pseudo: torch.Tensor) -> torch.Tensor:
+        """The pseudo-gradients' mean over the groups of this synchronisation's quorum, once it commits: a try that a
+        group's failure breaks is made again with the groups left, each bringing its own pseudo-gradient again."""
+        group, step = self.replica_group, self.lightning_module.trainer.global_step
+        group.start_step({})
+        for _ in range(MAX_RETRIES + 1):
+            wire = pseudo.to(self.outer_hook.reduce_dtype or pseudo.dtype)
+            group.manager.allreduce(wire).wait()  # the mean over the quorum's groups
+            if group.should_commit():
+                return wire
+            if group.retry(step):
+                raise ConfigError(
+                    f"replica group {self.replica_groups.group} alone failed DiLoCo's synchronisation at step {step}: "
+                    "healing in place is not done for DiLoCo yet. Fix: relaunch every group from its last checkpoint."
+                )
+        raise group.failure(f"could not commit the synchronisation at step {step}")
 
     # -- checkpoints ---------------------------------------------------------------------------------------------
     # The model and inner optimizer keys every strategy reads (`state_dict`, `optimizer_<i>`) hold replica 0's own
