@@ -545,6 +545,19 @@ def test_a_second_ctrl_c_quits_at_once_without_saving(tmp_path, corpus):
     assert torch.load(ckpt / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == 4
 
 
+def test_an_interrupt_before_the_fit_attached_the_model_passes_through_the_strategys_exception_hook():
+    """Ctrl-C can reach rank 0 while Lightning's launcher is still starting the other ranks, before the fit has
+    attached the model to the trainer; Lightning then hands the interrupt to the strategy's exception hook. Seen once
+    in the suite: the hook asked the unattached model for its trainer, and a RuntimeError replaced the one-line exit
+    130 with a traceback. The hook now lets the interrupt through untouched."""
+    from parallelkit import FSDPTPStrategy
+    from parallelkit.callbacks.preemption import Interrupted
+
+    strategy = FSDPTPStrategy(mesh_shape=[[1], ["fsdp"]])
+    strategy.connect(GPT(n_layer=1, n_head=2, n_embd=16))
+    strategy.on_exception(Interrupted(130))  # raised "GPT is not attached to a `Trainer`" before
+
+
 def test_ctrl_c_while_the_ranks_start_ends_the_job_with_one_line(tmp_path, corpus):
     """Ctrl-C (SIGINT to every process of a [[2, 1]] job) as Lightning's launcher has just started rank 1: rank 0 waits
     for it in the process group's rendezvous (in C++, where Python never sees a signal), rank 1 is still reading its

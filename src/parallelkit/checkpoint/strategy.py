@@ -27,7 +27,7 @@ from parallelkit.checkpoint import (
     remove,
     staging_path,
 )
-from parallelkit.compat import logging_a_step
+from parallelkit.compat import attached_trainer, logging_a_step
 
 FLAT = StateDictOptions(flatten_optimizer_state_dict=True)
 """Optimizer state keyed per parameter name (`state.<fqn>.exp_avg`, `param_groups.<fqn>.lr`): each rank saves
@@ -220,7 +220,11 @@ class ShardedCheckpoints:
         # Lightning raises SIGTERMException once the step is logged, before the next batch starts: that step's saves
         # are published, a background write waited for. An exception from inside a step's end hooks leaves them
         # unpublished, as a kill there would; so does a crash in a background write.
-        if not logging_a_step(self.lightning_module.trainer):
+        trainer = attached_trainer(self.lightning_module)
+        if trainer is None:  # interrupted before the fit began: nothing written, nothing to publish
+            super().on_exception(exception)
+            return
+        if not logging_a_step(trainer):
             self._logged = len(self._unpublished)
         stopped = isinstance(exception, SIGTERMException)
         if stopped:

@@ -14,6 +14,7 @@ import every name from here, `parallelkit.compat`.
 from __future__ import annotations
 
 from parallelkit.compat.lightning import (
+    attached_trainer,
     before_training_state_restored,
     destroy_process_groups_at_exit,
     last_checkpoints,
@@ -89,6 +90,7 @@ __all__ = [
     "OVERRIDDEN",
     "all_to_all_autograd",
     "apply_to_tensors",
+    "attached_trainer",
     "before_training_state_restored",
     "checkpointed_submodules",
     "composable_checkpoint",

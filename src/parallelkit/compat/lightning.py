@@ -95,6 +95,12 @@ def skip_loop_backward(trainer: L.Trainer) -> None:
     trainer.fit_loop._skip_backward = True
 
 
+def attached_trainer(module: L.LightningModule | None) -> L.Trainer | None:
+    """The trainer `module` is attached to, or None (none yet: a Ctrl-C while Lightning's launcher starts the ranks
+    reaches the strategy's exception hook before the fit attached the module)."""
+    return None if module is None else module._trainer
+
+
 def strategy_hook(trainer: L.Trainer, name: str, *args: Any) -> Any:
     """The strategy's hook `name` (`training_step`, `backward`) called as the fit loop calls it: what the module logs
     in it is logged as that hook's (a retried micro-batch's `train_loss` is the step's, not another hook's)."""
