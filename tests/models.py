@@ -610,8 +610,9 @@ class HangAt(L.Callback):
 
 
 class StateDigest(L.Callback):
-    """Writes, at fit end, a digest of each rank's local shards of the parameters and of the optimizer's state (its
-    tensors, in order): ranks that hold the same shards in different jobs (replica groups) compare them bit for bit."""
+    """Writes, at fit end, a digest of each rank's local shards of the parameters, of its buffers and of the optimizer's
+    state (its tensors, in order): ranks that hold the same shards in different jobs (replica groups) compare them bit
+    for bit."""
 
     def __init__(self, out_dir: str) -> None:
         self.out_dir = out_dir
@@ -629,6 +630,7 @@ class StateDigest(L.Callback):
         states = [s for o in trainer.optimizers for s in o.state.values()]
         parts = {
             "params": digest(pl_module.parameters()),
+            "buffers": digest(pl_module.buffers()),
             "optimizer": digest(v for s in states for _, v in sorted(s.items()) if isinstance(v, torch.Tensor)),
             "optimized": len(states),
         }
@@ -739,6 +741,20 @@ class ReplayText(TextDataModule):
             for micro in range(self.accumulate)
         ]
         return DataLoader(self.train_set, batch_sampler=[r.reshape(-1).tolist() for r in rows])
+
+
+class GPTCountingSteps(GPT):
+    """The GPT with a buffer that training changes without touching the loss, as BatchNorm's running statistics
+    are: `steps_seen`, one more at every training micro-batch. A replica group that comes back copies it with the
+    parameters, or ends with a count of its own (`StateDigest` reads the buffers)."""
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.register_buffer("steps_seen", torch.zeros((), dtype=torch.float64))
+
+    def training_step(self, batch, batch_idx):
+        self.steps_seen += 1
+        return super().training_step(batch, batch_idx)
 
 
 class FailCommit(L.Callback):

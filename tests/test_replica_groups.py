@@ -281,8 +281,16 @@ def test_what_replica_groups_cannot_take_is_refused_before_launch(tmp_path, monk
     assert proc.returncode == 2 and f"lighthouse={unreachable}: nothing answers there" in proc.stderr, proc.stderr
 
 
-ACCUMULATED = ("--data.init_args.batch_size=1", "--trainer.accumulate_grad_batches=2")
-"""The kill tests' groups: 2 micro-batches of 1 row a process per step (the same global batch of 8 rows)."""
+ACCUMULATED = (
+    "--data.init_args.batch_size=1",
+    "--trainer.accumulate_grad_batches=2",
+    "--model=models.GPTCountingSteps",
+    "--model.init_args.n_layer=2",
+    "--model.init_args.n_head=4",
+    "--model.init_args.n_embd=64",
+)
+"""The kill tests' groups: 2 micro-batches of 1 row a process per step (the same global batch of 8 rows), on
+hybrid.yaml's GPT with a buffer that training changes (`models.GPTCountingSteps`: the returning group must copy it)."""
 
 
 def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
@@ -350,11 +358,10 @@ def test_a_killed_group_comes_back_healed_from_the_survivor_and_both_equal_a_one
     until group 1's relaunch has started: a forked one starts in well under a second) and commits each of its 20 steps
     exactly once (torchft's committed count 1..20 against Lightning's steps). Killed inside the all-reduce, the step is
     tried again with the groups left on the same micro-batches (the first run again). Group 1 comes back at the step
-    group 0 is at: it copies
-    group 0's model, optimizer and training position and continues from there (its first logged step is that one,
-    committed once); both end with bit-identical parameters and AdamW state. Every step's loss (the job's: both
-    groups log it) equals that of one process fed exactly the rows of the groups that took part (logged as
-    `ft/groups`), fp32, 1e-5."""
+    group 0 is at: it copies group 0's model, buffers (`steps_seen`), optimizer and training position and continues
+    from there (its first logged step is that one, committed once); both end with bit-identical parameters, buffers
+    and AdamW state. Every step's loss (the job's: both groups log it) equals that of one process fed exactly the rows
+    of the groups that took part (logged as `ft/groups`), fp32, 1e-5."""
     for when in ("between_steps", "inside_the_all_reduce"):
         logs = killed_and_back(tmp_path, corpus, when)
         survivor, returned = step_losses(logs["survivor"]), step_losses(logs["returned"])
