@@ -16,7 +16,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from parallelkit.adapters.lora import LoRA, add_adapters
-from parallelkit.data import GlobalBatchSampler, TextDataModule
+from parallelkit.data import GlobalBatchSampler, SFTDataModule, TextDataModule
+from parallelkit.data.packing import collate
 from parallelkit.memory import local_bytes, training_state_bytes
 from parallelkit.mesh import data_parallel_group
 from parallelkit.models import HFCausalLM
@@ -755,6 +756,31 @@ class GPTCountingSteps(GPT):
     def training_step(self, batch, batch_idx):
         self.steps_seen += 1
         return super().training_step(batch, batch_idx)
+
+
+class ReplaySFT(SFTDataModule):
+    """`ReplayText` for SFT packed rows: at step k, the rows that the groups in `schedule[k]` trained of the step's
+    `accumulate` global micro-batches (`StepTargetSampler`'s order for `num_groups` x `group_size` replicas of
+    `batch_size` rows), each micro-batch as one batch whose `num_targets` is the targets of the participants' rows
+    over the whole step: the count replica groups exchange through the step's quorum."""
+
+    def __init__(self, schedule: list[list[int]], num_groups: int, group_size: int, accumulate: int = 1, **kwargs):
+        super().__init__(**kwargs)
+        self.schedule, self.num_groups, self.group_size = schedule, num_groups, group_size
+        self.accumulate = accumulate
+
+    def train_dataloader(self) -> DataLoader:
+        replicas = self.num_groups * self.group_size
+        order = GlobalBatchSampler(len(self.train_set), self.batch_size, replicas, 0, shuffle=True, seed=self.seed)
+        batches, _ = order.epoch_batches()  # (micro-batch, replica, row)
+        targets = torch.as_tensor(self.train_set.targets)
+        items = []
+        for step, groups in enumerate(self.schedule):
+            columns = [g * self.group_size + r for g in groups for r in range(self.group_size)]
+            micro = batches[step * self.accumulate : (step + 1) * self.accumulate][:, columns]  # (micro, replica, row)
+            count = int(targets[micro].sum())
+            items += [[(int(row), count, None) for row in m.reshape(-1)] for m in micro]
+        return DataLoader(self.train_set, batch_sampler=items, collate_fn=collate)
 
 
 class FailCommit(L.Callback):

@@ -292,6 +292,18 @@ ACCUMULATED = (
 """The kill tests' groups: 2 micro-batches of 1 row a process per step (the same global batch of 8 rows), on
 hybrid.yaml's GPT with a buffer that training changes (`models.GPTCountingSteps`: the returning group must copy it)."""
 
+SFT_ROWS = (
+    "--data=parallelkit.data.SFTDataModule",
+    "--data.init_args.paths=null",
+    "--data.init_args.seq_len=256",
+    "--model.init_args.vocab_size=264",
+)
+"""configs/sft.yaml's data (the built-in conversations, packed rows of 256 tokens) instead of the corpus' windows:
+each step's loss is divided by the targets of the groups that take part in it."""
+
+DATA = {"between_steps": SFT_ROWS, "inside_the_all_reduce": ()}
+"""Each kill test's data: one on token batches, one on fixed windows."""
+
 
 def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
     """Group 1 SIGKILLed whole at step 6 (`models.KillGroupAt`), `between_steps` (as the step starts, before it asks
@@ -309,8 +321,9 @@ def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
         callback("models.Touch", path=str(alone), step=10),
         callback("models.HoldAt", step=12, path=str(back), after=2.0),  # its join request comes right after
         *ACCUMULATED,
+        *DATA[when],
     )
-    killed = (together, callback("models.KillGroupAt", step=6, when=when), *ACCUMULATED)
+    killed = (together, callback("models.KillGroupAt", step=6, when=when), *ACCUMULATED, *DATA[when])
     with running_lighthouse(tmp_path, "--min-groups", "1", "--heartbeat-timeout-ms", "1000") as address:
         first = [
             launch(group_args(corpus, logs["survivor"], 0, address, *survivor), cwd=tmp_path),
@@ -323,7 +336,8 @@ def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
                 assert jobs[0].poll() is None and time.monotonic() < deadline, jobs[0].stderr()[-4000:]
                 time.sleep(0.02)
             returned = callback("models.Touch", path=str(back))
-            jobs.append(launch(group_args(corpus, logs["returned"], 1, address, returned, *ACCUMULATED), cwd=tmp_path))
+            again = group_args(corpus, logs["returned"], 1, address, returned, *ACCUMULATED, *DATA[when])
+            jobs.append(launch(again, cwd=tmp_path))
             for job in (jobs[0], jobs[2]):
                 assert job.wait(timeout=180) == 0, job.stderr()[-4000:]
     return logs
@@ -332,14 +346,17 @@ def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
 _replays: dict[str, dict[int, float]] = {}
 
 
-def replay(tmp_path, corpus, schedule: list[list[int]]) -> dict[int, float]:
+def replay(tmp_path, corpus, schedule: list[list[int]], tokens: bool) -> dict[int, float]:
     """One process's per-step losses fed, at each step, the rows of the groups `schedule` lists for it
-    (`models.ReplayText`), out of 2 groups of 2 processes with 2 micro-batches of 1 row each: single.yaml's run
-    otherwise."""
-    key = json.dumps(schedule)
+    (`models.ReplayText`, or `models.ReplaySFT` for `tokens`: SFT_ROWS' packed rows, divided by their targets), out
+    of 2 groups of 2 processes with 2 micro-batches of 1 row each: single.yaml's run otherwise."""
+    key = json.dumps([schedule, tokens])
     if key not in _replays:
         log = tmp_path / f"replay{len(_replays)}"
-        data = ["--data.class_path=models.ReplayText", f"--data.init_args.schedule={key}"]
+        replayed = "models.ReplaySFT" if tokens else "models.ReplayText"
+        data = [f"--data.class_path={replayed}", f"--data.init_args.schedule={json.dumps(schedule)}"]
+        if tokens:
+            data += SFT_ROWS[1:]  # the class is ReplaySFT already
         sizes = [
             "--data.init_args.num_groups=2",
             "--data.init_args.group_size=2",
@@ -379,7 +396,7 @@ def test_a_killed_group_comes_back_healed_from_the_survivor_and_both_equal_a_one
         assert copied == {"survivor": {0.0}, "returned": {float(back)}}, copied
         retries = step_losses(logs["survivor"], "ft/retries")[19]
         assert retries == {"between_steps": 0.0, "inside_the_all_reduce": 1.0}[when], (when, retries)
-        reference = replay(tmp_path, corpus, schedule)
+        reference = replay(tmp_path, corpus, schedule, tokens=bool(DATA[when]))
         assert_same_losses(reference, survivor)
         assert_same_losses({step: reference[step] for step in returned}, returned)
         for rank in (0, 1):
