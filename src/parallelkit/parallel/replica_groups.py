@@ -180,7 +180,14 @@ class ReplicaGroup:
             try:
                 self.manager.start_quorum()
             except TimeoutError as err:  # the lighthouse waits for groups of its last quorum, which are gone
-                raise self.missing_at_start([]) from err
+                if step == 0:
+                    raise self.missing_at_start([]) from err
+                raise ReplicaGroupError(
+                    f"replica group {self.config.group} found no quorum within quorum_timeout="
+                    f"{self.config.quorum_timeout:g} s as it resumed at step {step}: the lighthouse waits for the "
+                    "groups of its last quorum, which neither came nor were dropped. Fix: relaunch the other groups "
+                    "too (from their last checkpoints), or restart the lighthouse."
+                ) from err
             self._check_quorum()
             if self.manager.errored() is not None:
                 tries += 1
