@@ -717,31 +717,51 @@ class Touch(L.Callback):
             self.path.touch()
 
 
-class ReplayText(TextDataModule):
-    """The one-process reference of a replica-group run: at step k, the rows that the groups in `schedule[k]` (as
-    the run logged them, `ft/groups`) trained of the step's `accumulate` global micro-batches, out of `num_groups`
-    groups of `group_size` processes with `batch_size` rows each (`GlobalBatchSampler`'s order, as the groups drew
-    it), as `accumulate` micro-batches (run with the same accumulate_grad_batches: Lightning logs the last one's
-    loss)."""
+class ReplaySchedule:
+    """What a one-process replay of a replica-group run reads: `schedule[k]`, the groups that took part in step k (as
+    the run logged them, `ft/groups`), out of `num_groups` groups of `group_size` processes with `batch_size` rows
+    each and `accumulate` micro-batches a step (`GlobalBatchSampler`'s order, as the groups drew it)."""
 
     def __init__(self, schedule: list[list[int]], num_groups: int, group_size: int, accumulate: int = 1, **kwargs):
         super().__init__(**kwargs)
         self.schedule, self.num_groups, self.group_size = schedule, num_groups, group_size
         self.accumulate = accumulate
 
-    def train_dataloader(self) -> DataLoader:
+    def step_rows(self) -> list[torch.Tensor]:
+        """Per step, the participants' rows of its global micro-batches: (accumulate, replicas taking part, rows)."""
         replicas = self.num_groups * self.group_size
         order = GlobalBatchSampler(len(self.train_set), self.batch_size, replicas, 0, shuffle=True, seed=self.seed)
         batches, _ = order.epoch_batches()  # (micro-batch, replica, row)
-        rows = [
-            batches[
-                step * self.accumulate + micro,
-                [g * self.group_size + r for g in groups for r in range(self.group_size)],
+        return [
+            batches[step * self.accumulate : (step + 1) * self.accumulate][
+                :, [g * self.group_size + r for g in groups for r in range(self.group_size)]
             ]
             for step, groups in enumerate(self.schedule)
-            for micro in range(self.accumulate)
         ]
-        return DataLoader(self.train_set, batch_sampler=[r.reshape(-1).tolist() for r in rows])
+
+
+class ReplayText(ReplaySchedule, TextDataModule):
+    """The one-process reference of a replica-group run on windows: each step's participants' rows
+    (`ReplaySchedule`), as `accumulate` micro-batches (run with the same accumulate_grad_batches: Lightning logs the
+    last one's loss)."""
+
+    def train_dataloader(self) -> DataLoader:
+        rows = [micro.reshape(-1).tolist() for step in self.step_rows() for micro in step]
+        return DataLoader(self.train_set, batch_sampler=rows)
+
+
+class ReplaySFT(ReplaySchedule, SFTDataModule):
+    """`ReplayText` for SFT packed rows: each micro-batch of the participants' rows as one batch whose
+    `num_targets` is the targets of those rows over the whole step: the count replica groups exchange through the
+    step's quorum."""
+
+    def train_dataloader(self) -> DataLoader:
+        targets = torch.as_tensor(self.train_set.targets)
+        items = []
+        for step in self.step_rows():
+            count = int(targets[step].sum())
+            items += [[(int(row), count, None) for row in micro.reshape(-1)] for micro in step]
+        return DataLoader(self.train_set, batch_sampler=items, collate_fn=collate)
 
 
 class GPTCountingSteps(GPT):
@@ -756,31 +776,6 @@ class GPTCountingSteps(GPT):
     def training_step(self, batch, batch_idx):
         self.steps_seen += 1
         return super().training_step(batch, batch_idx)
-
-
-class ReplaySFT(SFTDataModule):
-    """`ReplayText` for SFT packed rows: at step k, the rows that the groups in `schedule[k]` trained of the step's
-    `accumulate` global micro-batches (`StepTargetSampler`'s order for `num_groups` x `group_size` replicas of
-    `batch_size` rows), each micro-batch as one batch whose `num_targets` is the targets of the participants' rows
-    over the whole step: the count replica groups exchange through the step's quorum."""
-
-    def __init__(self, schedule: list[list[int]], num_groups: int, group_size: int, accumulate: int = 1, **kwargs):
-        super().__init__(**kwargs)
-        self.schedule, self.num_groups, self.group_size = schedule, num_groups, group_size
-        self.accumulate = accumulate
-
-    def train_dataloader(self) -> DataLoader:
-        replicas = self.num_groups * self.group_size
-        order = GlobalBatchSampler(len(self.train_set), self.batch_size, replicas, 0, shuffle=True, seed=self.seed)
-        batches, _ = order.epoch_batches()  # (micro-batch, replica, row)
-        targets = torch.as_tensor(self.train_set.targets)
-        items = []
-        for step, groups in enumerate(self.schedule):
-            columns = [g * self.group_size + r for g in groups for r in range(self.group_size)]
-            micro = batches[step * self.accumulate : (step + 1) * self.accumulate][:, columns]  # (micro, replica, row)
-            count = int(targets[micro].sum())
-            items += [[(int(row), count, None) for row in m.reshape(-1)] for m in micro]
-        return DataLoader(self.train_set, batch_sampler=items, collate_fn=collate)
 
 
 class FailCommit(L.Callback):
