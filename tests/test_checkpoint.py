@@ -371,7 +371,9 @@ def killed_then_restarted(tmp_path_factory, corpus):
             time.sleep(0.1)
         ended_after = time.time() - killed_at
         left_running = job.session()
-        returncode = job.poll()
+        # Every process ended: its exit status is collected (a process in the middle of exiting is no longer listed
+        # but not yet waitable: `poll` could still say None). Else what it is now.
+        returncode = job.poll() if left_running else job.wait(timeout=30)
     # The relaunch command of docs/guides/checkpoints.md, at this job's scale.
     ((variable, launcher, *command),) = commands("torchrun-restarts")
     assert (variable, launcher) == ("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1", "torchrun")
