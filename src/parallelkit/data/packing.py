@@ -63,7 +63,7 @@ class PackedRows(Dataset):
     def __len__(self) -> int:
         return len(self.bounds) - 1
 
-    def __getitem__(self, item: int | tuple[int, int]) -> dict[str, torch.Tensor]:
+    def __getitem__(self, item: int | tuple[int, int, Any]) -> dict[str, torch.Tensor]:
         row, step_targets, replica_targets = item if isinstance(item, tuple) else (item, None, None)
         input_ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
         labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
