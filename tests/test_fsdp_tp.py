@@ -216,8 +216,9 @@ def test_meta_init_never_holds_the_whole_model_and_equals_the_eager_weights(tmp_
     assert meta["max_abs_diff"] == 0.0 and eager["max_abs_diff"] == 0.0
     model = meta["model_bytes"]
     assert eager["growth"] >= model, found  # the measure sees a whole model when there is one
-    # A quarter is the shards; the rest allocator slack. Measured 0.42-0.56 x the model over 9 runs (eager: 1.06 x).
-    assert meta["growth"] <= 0.65 * model, found
+    # A quarter is the shards; the rest allocator slack. Measured 0.42-0.56 x the model over 9 runs, 0.50 alone and
+    # 0.67 once in a full suite run beside another worker's jobs (eager: 1.06 x): under 0.8 is well under one model.
+    assert meta["growth"] <= 0.8 * model, found
 
 
 def test_meta_init_refuses_a_model_it_cannot_initialise(tmp_path):
