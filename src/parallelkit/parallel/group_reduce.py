@@ -12,6 +12,7 @@ summed in bf16.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -43,10 +44,10 @@ def flat_all_reduce(manager: Any, grads: list[torch.Tensor], op: str) -> None:
 
 class OverlappedReduce:
     """Each FSDP2 unit's gradient buffer all-reduced across the step's groups as soon as backward has written it
-    (module docstring). `op` is the step's reduction ("mean", or "sum" for token batches), set before backward."""
+    (module docstring). `op` gives the step's reduction ("mean", or "sum" for token batches) as a buffer is sent."""
 
-    def __init__(self, manager: Any, parameters: list[torch.nn.Parameter]) -> None:
-        self.manager, self.op = manager, "mean"
+    def __init__(self, manager: Any, parameters: list[torch.nn.Parameter], op: Callable[[], str]) -> None:
+        self.manager, self.op = manager, op
         self.fraction = 0.0  # of the last step's gradient elements, those reduced during backward
         self._current: torch.Tensor | None = None  # the buffer whose gradients FSDP is handing out
         self._sent: list[tuple[torch.Tensor, torch.Tensor, Any]] = []  # (buffer, what travels, its work)
@@ -65,9 +66,9 @@ class OverlappedReduce:
         if any(buffer is sent for sent, _, _ in self._sent):
             return
         travelling = buffer if buffer.dtype == torch.float32 else buffer.float()
-        self._sent.append((buffer, travelling, self.manager.allreduce(travelling, reduce_op=reduce_op(self.op))))
+        self._sent.append((buffer, travelling, self.manager.allreduce(travelling, reduce_op=reduce_op(self.op()))))
 
-    def finish(self, parameters: list[torch.nn.Parameter]) -> list[torch.Tensor]:
+    def finish(self, parameters: Iterable[torch.nn.Parameter]) -> list[torch.Tensor]:
         """Send the last buffer, wait for every one sent this step, and return the local gradients of `parameters`
         that none held (for the flat all-reduce)."""
         if self._current is not None:

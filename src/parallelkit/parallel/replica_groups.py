@@ -156,7 +156,7 @@ class ReplicaGroup:
             init_sync=False,  # every group draws the same weights from the seed
         )
         self.overlapped: OverlappedReduce | None = None
-        self.gradient_op = "mean"  # "sum" for a token step (`set_gradient_op`)
+        self.gradient_op = "mean"  # this step's reduction of the gradients: "sum" for a token step
         self.committed: bool | None = None
         self.retries = 0  # steps tried again since the run started
         self.copied_steps = 0  # committed steps the join copied from another group instead of training them
@@ -224,15 +224,11 @@ class ReplicaGroup:
         if not self._layouts_checked:
             self._check_layouts()
 
-    def overlap(self, parameters: list[torch.nn.Parameter]) -> None:
-        """Reduce these (FSDP2-sharded) parameters' gradients unit by unit during backward (`OverlappedReduce`)."""
-        self.overlapped = OverlappedReduce(self.manager, parameters)
-
-    def set_gradient_op(self, op: str) -> None:
-        """This step's reduction of the gradients across groups: "mean", or "sum" for a token step."""
-        self.gradient_op = op
-        if self.overlapped is not None:
-            self.overlapped.op = op
+    def overlap(self) -> None:
+        """Reduce the (FSDP2-sharded) trained parameters' gradients unit by unit during backward
+        (`OverlappedReduce`)."""
+        parameters = list(self.state.parameters.values())
+        self.overlapped = OverlappedReduce(self.manager, parameters, lambda: self.gradient_op)
 
     @property
     def groups(self) -> tuple[int, ...]:
@@ -276,11 +272,12 @@ class ReplicaGroup:
             )
         self.process_group.reconfigured, self._layouts_checked = False, True
 
-    def average_gradients(self, parameters: list[torch.nn.Parameter]) -> None:
+    def average_gradients(self) -> None:
         """Average (or, for token batches whose loss each group divides by the whole quorum's target count, sum:
         `gradient_op`) each local gradient (a DTensor's shard) with the same rank's of every group of the step: what
         the overlapped reduction sent during backward, waited for; the rest in one flat all-reduce. In fp32 whatever
         the gradients' dtype: nothing is summed in bf16."""
+        parameters = self.state.parameters.values()
         if self.overlapped is not None:
             rest = self.overlapped.finish(parameters)
         else:

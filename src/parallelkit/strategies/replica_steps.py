@@ -110,7 +110,7 @@ class ReplicaGroupSteps:
         state = GroupState(layout, trained, self.optimizers, buffers)
         self.replica_group = ReplicaGroup(self.replica_groups, self.global_rank, self.world_size, state)
         if self.replica_groups.overlap and self.sharded_gradients() and self.steps_across_groups():
-            self.replica_group.overlap(list(trained.values()))
+            self.replica_group.overlap()
         before_training_state_restored(self.lightning_module.trainer, self._join)
 
     def _join(self) -> None:
@@ -170,7 +170,7 @@ class ReplicaGroupSteps:
         first = self._step_batches[0][0]
         if not (isinstance(first, Mapping) and REPLICA_TARGETS in first):
             self._step_targets = None
-            self.replica_group.set_gradient_op("mean")
+            self.replica_group.gradient_op = "mean"
             return
         size, _ = self.group_data_parallel()
         start = self.replica_groups.group * size
@@ -179,7 +179,7 @@ class ReplicaGroupSteps:
         self._step_targets = total.to(first["num_targets"].device)
         for batch, _ in self._step_batches:
             batch["num_targets"] = self._step_targets
-        self.replica_group.set_gradient_op("sum")
+        self.replica_group.gradient_op = "sum"
 
     def _replay(self, optimizer: Any) -> None:
         """Before a retry: the step's gradients zeroed, a token step's count taken for the new quorum, and the
@@ -205,7 +205,7 @@ class ReplicaGroupSteps:
 
         def averaged() -> Any:
             result = closure()
-            group.average_gradients(list(group.state.parameters.values()))
+            group.average_gradients()
             return result
 
         module = self.lightning_module
