@@ -15,7 +15,9 @@ import pytest
 from snippets import parallelkit_args
 from support import (
     CORPUS_CHARS,
+    RESUME_AT,
     SINGLE_PROCESS,
+    STEPS,
     Reference,
     assert_ok,
     callback,
@@ -107,17 +109,17 @@ def pretrained_llama(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> 
 
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Callable[..., Reference]:
-    """`reference(config, *overrides)`: a 20-step run of configs/<config> that checkpoints at step 10, made on first
-    use and shared by every test of the session that compares with the same run."""
+    """`reference(config, *overrides)`: a `STEPS`-step run of configs/<config> that checkpoints at step `RESUME_AT`,
+    made on first use and shared by every test of the session that compares with the same run."""
 
     def make(run: Path, config: str, overrides: tuple[str, ...]) -> None:
-        checkpoint = checkpoint_every(run / "ckpt", 10)
+        checkpoint = checkpoint_every(run / "ckpt", RESUME_AT)
         assert_ok(fit(config, run / "log", *common(corpus, run / "cache"), checkpoint, *overrides))
 
     def get(config: str, *overrides: str) -> Reference:
         key = hashlib.sha1(json.dumps([config, *overrides]).encode()).hexdigest()[:12]
         run = made_once(tmp_path_factory, f"reference-{key}", lambda run: make(run, config, overrides))
-        return Reference(run / "log", run / "ckpt" / "epoch=0-step=10.ckpt")
+        return Reference(run / "log", run / "ckpt" / f"epoch=0-step={RESUME_AT}.ckpt")
 
     return get
 
@@ -130,13 +132,13 @@ def baseline(reference: Callable[..., Reference]) -> Callable[[str], Reference]:
 
 @pytest.fixture(scope="session")
 def sft_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
-    """`sft_runs(name, *overrides)`: a 20-step run of configs/sft.yaml on the built-in conversations, made once in
+    """`sft_runs(name, *overrides)`: a `STEPS`-step run of configs/sft.yaml on the built-in conversations, made once in
     the session (test_sft.py's layouts, and the one-process reference replica groups of token batches compare with)."""
 
     def get(name: str, *overrides: str) -> Path:
         def make(directory: Path) -> None:
             common = (
-                "--trainer.max_steps=20",
+                f"--trainer.max_steps={STEPS}",
                 "--trainer.limit_val_batches=0",
                 f"--data.init_args.cache_dir={directory.parent / 'sft-cache'}",
             )
@@ -149,9 +151,9 @@ def sft_runs(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Path]:
 
 @pytest.fixture(scope="session")
 def fsdp4_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
-    """hybrid.yaml on [[4, 1]] for 20 steps with the fp32 comm hook and profile_communication, each rank writing its
-    training-state bytes at the end (`models.StateBytes`, under `<dir>/state`): its CSV log directory. One launch for
-    test_comm.py's fp32 runs and test_fsdp_tp.py's sharded training-state measure, which each made it before (the
+    """hybrid.yaml on [[4, 1]] for `STEPS` steps with the fp32 comm hook and profile_communication, each rank writing
+    its training-state bytes at the end (`models.StateBytes`, under `<dir>/state`): its CSV log directory. One launch
+    for test_comm.py's fp32 runs and test_fsdp_tp.py's sharded training-state measure, which each made it before (the
     monitor and the callback only observe: the losses stay one process's)."""
 
     def make(root: Path) -> None:
@@ -173,8 +175,8 @@ def fsdp4_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
 @pytest.fixture(scope="session")
 def ddp_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     """configs/ddp.yaml (2 processes) under parallelkit's DDPStrategy (the `ddp_comm` preset's class) with the fp32
-    hook (its default) and profile_communication, 20 steps: its CSV log directory. One launch for test_comm.py's DDP
-    hook test and the uninterrupted run test_checkpoint.py's ddp_comm SIGTERM test compares with. Launched through
+    hook (its default) and profile_communication, `STEPS` steps: its CSV log directory. One launch for test_comm.py's
+    DDP hook test and the uninterrupted run test_checkpoint.py's ddp_comm SIGTERM test compares with. Launched through
     `python -m parallelkit.cli` and Lightning's own launcher: the production path, once for DDP (tests/README.md)."""
     ddp = [
         "--trainer.strategy=parallelkit.DDPStrategy",

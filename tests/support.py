@@ -308,7 +308,16 @@ def fit_command(args: list[str], save_dir: Path, *overrides: str, **env: str) ->
     return fit(args[at + 1], save_dir, *args[1:at], *args[at + 2 :], *overrides, **env)
 
 
-def common(corpus: Path, cache: Path, steps: int = 20) -> list[str]:
+STEPS = 10
+"""A parity run's length: every one of its steps' losses compared with one process's. Ten steps show what twenty did
+(a layout that differs from one process differs from the first step, and its difference grows), for half the steps
+that are most of a forked run's cost (tests/README.md)."""
+
+RESUME_AT = STEPS // 2
+"""The step the shared reference runs checkpoint at, which the resume tests start from."""
+
+
+def common(corpus: Path, cache: Path, steps: int = STEPS) -> list[str]:
     """CLI overrides every parity run shares: a step budget, no validation, the test corpus and its cache."""
     return [
         f"--trainer.max_steps={steps}",
@@ -407,14 +416,14 @@ SINGLE_PROCESS = {
     "plain": (),
     "accumulate": ("--trainer.accumulate_grad_batches=2",),
     "clip": ("--trainer.gradient_clip_val=0.05",),
-    "val": ("--trainer.val_check_interval=10", "--trainer.limit_val_batches=3"),
+    "val": (f"--trainer.val_check_interval={RESUME_AT}", "--trainer.limit_val_batches=3"),
 }
 """The single-process baselines parity tests compare with, by name: overrides of configs/single.yaml."""
 
 
 @dataclass(frozen=True)
 class Reference:
-    """A finished 20-step run that checkpointed at step 10."""
+    """A finished run of `STEPS` steps that checkpointed at step `RESUME_AT`."""
 
     log: Path
     checkpoint: Path

@@ -18,6 +18,8 @@ import torch
 from snippets import commands
 from support import (
     REPO,
+    RESUME_AT,
+    STEPS,
     assert_ok,
     assert_same_losses,
     callback,
@@ -37,12 +39,10 @@ from support import (
 from parallelkit.data import TextDataModule
 from parallelkit.models import GPT
 
-STEPS = 20
-
 
 @pytest.fixture(scope="module")
 def saved(reference):
-    """A [[2, 2]] run of 20 steps that checkpoints at step 10: (its losses, the step-10 checkpoint)."""
+    """A [[2, 2]] run of `STEPS` steps that checkpoints at step `RESUME_AT`: (its losses, that checkpoint)."""
     run = reference("hybrid.yaml")
     return run.losses(), run.checkpoint
 
@@ -85,16 +85,16 @@ def test_2x2_checkpoint_loads_in_another_layout_with_the_same_next_losses(
             config,
             tmp_path,
             *common(corpus, tmp_path / "cache"),
-            "--trainer.max_steps=12",
+            f"--trainer.max_steps={RESUME_AT + 2}",
             f"--ckpt_path={ckpt}",
             *layout,
         )
     )
-    assert_same_losses({10: losses[10], 11: losses[11]}, step_losses(tmp_path))
+    assert_same_losses({step: losses[step] for step in (RESUME_AT, RESUME_AT + 1)}, step_losses(tmp_path))
 
 
 def test_consolidated_weights_are_the_saving_runs_weights(tmp_path, corpus, saved):
-    """The plain model with the consolidated step-10 weights computes the loss the [[2, 2]] run logged at step 10 (its
+    """The plain model with the consolidated step-5 weights computes the loss the [[2, 2]] run logged at step 5 (its
     forward with exactly those weights), on the same global batch: a tensor DCP left unfilled (consolidate starts
     from torch.empty) or a shard put in the wrong place changes it."""
     losses, ckpt = saved
@@ -106,10 +106,10 @@ def test_consolidated_weights_are_the_saving_runs_weights(tmp_path, corpus, save
     data = TextDataModule(paths=str(corpus), seq_len=64, batch_size=8, cache_dir=str(tmp_path / "cache"))
     data.prepare_data()
     data.setup("fit")
-    x, y = next(itertools.islice(data.train_dataloader(), 10, None))  # one process: the whole global batch 10
+    x, y = next(itertools.islice(data.train_dataloader(), RESUME_AT, None))  # one process: the whole global batch
     with torch.no_grad():
         loss = model.pipeline_loss(model(x), y).item()
-    assert loss == pytest.approx(losses[10], rel=1e-5)
+    assert loss == pytest.approx(losses[RESUME_AT], rel=1e-5)
 
 
 def top_k(dirpath: Path, k: int, mode: str, last: bool = False) -> str:
@@ -215,7 +215,7 @@ def test_sharded_checkpoint_with_a_single_device_strategy_says_how_to_load_it(tm
 
 @pytest.fixture(scope="module")
 def resumed_2x2(tmp_path_factory, corpus, saved):
-    """The shared [[2, 2]] run resumed from its step-10 checkpoint, to the end (step 19), with `--ckpt_path=last`
+    """The shared [[2, 2]] run resumed from its step-5 checkpoint, to the end (step 9), with `--ckpt_path=last`
     next to what a process killed mid-save leaves behind: the checkpoint under the name `last.ckpt`, and shards under
     the staging name `last.ckpt.partial`, newer than it. One launch for the two tests below (the resume-mid-epoch
     one and the cut-short-save one each launched it before): the resumed steps' losses."""
@@ -235,9 +235,9 @@ def resumed_2x2(tmp_path_factory, corpus, saved):
 def test_a_save_cut_short_is_ignored_and_last_resumes_from_the_complete_one(saved, resumed_2x2):
     """`--ckpt_path=last` next to what a process killed mid-save leaves behind (shards under the staging name
     `last.ckpt.partial`, newer than `last.ckpt`) resumes from the complete `last.ckpt`: here the shared [[2, 2]]
-    run's step-10 checkpoint under that name."""
+    run's step-5 checkpoint under that name."""
     resumed = resumed_2x2
-    assert sorted(resumed) == list(range(10, STEPS))  # from the complete checkpoint's step 10
+    assert sorted(resumed) == list(range(RESUME_AT, STEPS))  # from the complete checkpoint's step
     assert_same_losses({step: saved[0][step] for step in resumed}, resumed)
 
 
@@ -313,12 +313,18 @@ FSDP2 = [
 """hybrid.yaml on [[2, 1]]: 2 processes, the same global batch of 8."""
 
 
+FAULT_STEPS = 20
+"""The length of the runs a fault interrupts: room for a checkpoint, a kill after it, and a relaunch's own crash and
+restart after that."""
+
+
 @pytest.fixture(scope="module")
 def straight_fsdp2(reference):
-    """The uninterrupted 20-step run on [[2, 1]]: what the fault tests that need no more than 2 processes (SIGTERM,
-    SIGKILL mid-save) compare their relaunches with, at 1e-6 as the same layout gives. Those tests ran on [[2, 2]];
-    a 2-process launch costs about half of a 4-process one on the CI's 2 cores."""
-    return reference("hybrid.yaml", *FSDP2).losses()
+    """The uninterrupted run on [[2, 1]], `FAULT_STEPS` long: what the fault tests that need no more than 2 processes
+    (SIGTERM, SIGKILL mid-save) compare their relaunches with, at 1e-6 as the same layout gives. Those tests ran on
+    [[2, 2]]; a 2-process launch costs about half of a 4-process one on the CI's 2 cores. Its first `STEPS` steps
+    are those of a shorter run (the LR schedule's warmup is 10 steps)."""
+    return reference("hybrid.yaml", *FSDP2, f"--trainer.max_steps={FAULT_STEPS}").losses()
 
 
 KILLED_RANK_BOUND_S = 20.0
@@ -361,7 +367,7 @@ def killed_then_restarted(tmp_path_factory, corpus):
     ckpt, killed, crashed = root / "ckpt", root / "killed", root / "crashed"
     crash = callback("models.CrashOnce", step=7, marker=str(killed))
     # max_steps as the uninterrupted run (the LR schedule depends on it); the crash comes long before it.
-    overrides = [f"--trainer.max_steps={STEPS}", *FSDP2, checkpoint_every(ckpt, 5, last=True), crash]
+    overrides = [f"--trainer.max_steps={FAULT_STEPS}", *FSDP2, checkpoint_every(ckpt, 5, last=True), crash]
     # Lightning's own launcher: how it and gloo end the other ranks is what the test checks (a forked job's leader
     # would end them itself).
     with training_in_background(root, corpus, root / "first", *overrides, until=killed, real_launch=True) as job:
@@ -392,7 +398,7 @@ def killed_then_restarted(tmp_path_factory, corpus):
         "torch.distributed.run",
         *(scale.get(word, word) for word in command),
         f"--trainer.callbacks.dirpath={ckpt}",  # the ModelCheckpoint the command adds: where the first run saved
-        *common(corpus, root / "cache"),
+        *common(corpus, root / "cache", steps=FAULT_STEPS),
         f"--trainer.logger.init_args.save_dir={root / 'relaunch'}",
         "--trainer.logger.init_args.flush_logs_every_n_steps=1",
         "--trainer.enable_progress_bar=false",
@@ -445,7 +451,7 @@ def test_a_kill_between_checkpointing_a_step_and_logging_it_loses_no_logged_step
     assert min(resumed) == 3 and set(first) | set(resumed) == set(range(STEPS))
     assert_same_losses({s: straight_fsdp2[s] for s in first}, first, rtol=1e-6)
     assert_same_losses({s: straight_fsdp2[s] for s in resumed}, resumed, rtol=1e-6)
-    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=18.ckpt", "last.ckpt"]
+    assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=9.ckpt", "last.ckpt"]
 
 
 def test_sigterm_at_a_checkpointing_step_publishes_that_steps_checkpoint(tmp_path, corpus):
@@ -513,7 +519,7 @@ def test_ctrl_c_says_what_was_saved_and_its_resume_command_continues_exactly(tmp
     with open(logs / "hybrid" / "version_0" / "metrics.csv", newline="") as file:
         logged = [int(row["step"]) for row in csv.DictReader(file) if row["train_loss"]]
     assert logged == list(range(STEPS))  # the saving run's steps, then the resumed run's from the next one
-    assert_same_losses(straight_fsdp2, step_losses(logs), rtol=1e-6)
+    assert_same_losses({s: straight_fsdp2[s] for s in logged}, step_losses(logs), rtol=1e-6)
 
 
 def test_a_second_ctrl_c_quits_at_once_without_saving(tmp_path, corpus):
@@ -770,18 +776,18 @@ def test_sigterm_with_a_background_write_in_flight_waits_for_it_and_its_checkpoi
     ended), the SIGTERM save waited for the write and published it before its own, every process exits 0 with
     nothing left staged, and the background-written step-8 checkpoint resumes with the uninterrupted run's losses."""
     ckpt = tmp_path / "ckpt"
-    run = [*common(corpus, tmp_path / "cache"), *FSDP2, ASYNC, checkpoint_every(ckpt, 4)]
+    run = [*common(corpus, tmp_path / "cache", steps=FAULT_STEPS), *FSDP2, ASYNC, checkpoint_every(ckpt, 4)]
     written, signalled = tmp_path / "written", tmp_path / "signalled"
     slow = callback("models.SlowWrite", step=8, seconds=4, marker=str(written))
     sigterm = callback("models.SigtermAt", step=9, marker=str(signalled))
     assert_ok(fit("hybrid.yaml", tmp_path / "first", *run, slow, sigterm))
     assert written.stat().st_mtime > signalled.stat().st_mtime  # step 9 began while step 8's write went on
-    assert 9 <= max(step_losses(tmp_path / "first")) < STEPS - 1
+    assert 9 <= max(step_losses(tmp_path / "first")) < FAULT_STEPS - 1
     names = ["epoch=0-step=4.ckpt", "epoch=0-step=8.ckpt", "last.ckpt"]
     assert sorted(p.name for p in ckpt.iterdir()) == names  # published, none left `.partial`
     assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *run, f"--ckpt_path={ckpt / 'epoch=0-step=8.ckpt'}"))
     resumed = step_losses(tmp_path / "resumed")
-    assert sorted(resumed) == list(range(8, STEPS))
+    assert sorted(resumed) == list(range(8, FAULT_STEPS))
     assert_same_losses({s: straight_fsdp2[s] for s in resumed}, resumed, rtol=1e-6)
 
 
@@ -794,7 +800,7 @@ def test_torchrun_max_restarts_relaunches_a_crashed_job_from_the_last_checkpoint
     assert_ok(job.relaunch)
     assert job.crashed.exists()  # the fault did happen
     resumed = step_losses(job.logs / "version_1")  # the restarted attempt's log
-    assert sorted(resumed) == list(range(8, STEPS))
+    assert sorted(resumed) == list(range(8, FAULT_STEPS))
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
 
 
@@ -805,7 +811,7 @@ def test_a_single_file_checkpoint_round_trips_and_loads_in_another_layout(tmp_pa
     straight, _ = saved
     ckpt = tmp_path / "ckpt"
     single_file = "--trainer.strategy.save_distributed_checkpoint=false"
-    stop = '--trainer.callbacks+={"class_path": "models.StopAfter", "init_args": {"step": 10}}'
+    stop = callback("models.StopAfter", step=RESUME_AT)
     assert_ok(
         fit(
             "hybrid.yaml",
@@ -813,10 +819,10 @@ def test_a_single_file_checkpoint_round_trips_and_loads_in_another_layout(tmp_pa
             *common(corpus, tmp_path / "cache"),
             single_file,
             stop,
-            checkpoint_every(ckpt, 10),
+            checkpoint_every(ckpt, RESUME_AT),
         )
     )
-    path = ckpt / "epoch=0-step=10.ckpt"
+    path = ckpt / f"epoch=0-step={RESUME_AT}.ckpt"
     assert path.is_file() and not list(ckpt.glob("*.partial"))
     state = torch.load(path, weights_only=True)
     GPT(n_layer=2, n_head=4, n_embd=64).load_state_dict(state["state_dict"])
@@ -825,27 +831,27 @@ def test_a_single_file_checkpoint_round_trips_and_loads_in_another_layout(tmp_pa
     for name, config in (("same", "hybrid.yaml"), ("pp2", "1f1b.yaml"), ("one_process", "single.yaml")):
         assert_ok(fit(config, tmp_path / name, *common(corpus, tmp_path / "cache"), f"--ckpt_path={path}"))
         resumed = step_losses(tmp_path / name)
-        assert sorted(resumed) == list(range(10, STEPS))
+        assert sorted(resumed) == list(range(RESUME_AT, STEPS))
         assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6 if name == "same" else 1e-5)
 
 
 def test_2x2_resume_mid_epoch_continues_exactly(saved, resumed_2x2):
-    """The shared [[2, 2]] run resumed from its step-10 checkpoint (the run `resumed_2x2` makes: the checkpoint is
-    found as `last`) gives the uninterrupted run's steps 10-19."""
+    """The shared [[2, 2]] run resumed from its step-5 checkpoint (the run `resumed_2x2` makes: the checkpoint is
+    found as `last`) gives the uninterrupted run's steps 5-9."""
     losses, _ = saved
     resumed = resumed_2x2
-    assert sorted(resumed) == list(range(10, STEPS))
+    assert sorted(resumed) == list(range(RESUME_AT, STEPS))
     assert_same_losses({s: losses[s] for s in resumed}, resumed, rtol=1e-6)
 
 
 @pytest.mark.parametrize("config", ["1f1b.yaml", "single.yaml"])
 def test_resume_mid_epoch_continues_exactly(tmp_path, corpus, reference, config):
-    """A run checkpointed at step 10 of 20, then the same run resumed from that checkpoint: one process is
+    """A run checkpointed at step 5 of 10, then the same run resumed from that checkpoint: one process is
     Lightning's own strategy with parallelkit's data position."""
     run = reference(config)
     assert_ok(fit(config, tmp_path, *common(corpus, tmp_path / "cache"), f"--ckpt_path={run.checkpoint}"))
     resumed, straight = step_losses(tmp_path), run.losses()
-    assert sorted(resumed) == list(range(10, STEPS))
+    assert sorted(resumed) == list(range(RESUME_AT, STEPS))
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
 
 

@@ -3,7 +3,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from support import REPO, assert_ok, assert_same_losses, fit, parallelkit, step_losses
+from support import REPO, SINGLE_PROCESS, STEPS, assert_ok, assert_same_losses, fit, parallelkit, step_losses
 
 
 def test_env_lays_out_a_mesh_rank_by_coordinate(tmp_path: Path):
@@ -48,22 +48,21 @@ def test_help_lists_lightning_subcommands_and_tools(tmp_path: Path):
 
 
 def test_ddp_two_processes_matches_single_process_losses_per_step(tmp_path: Path, corpus: Path, baseline):
-    """Lightning's DDP on 2 processes against the session's single-process run with the same validation (every 10
-    steps, 3 batches: support.SINGLE_PROCESS["val"])."""
+    """Lightning's DDP on 2 processes against the session's single-process run with the same validation (every
+    `RESUME_AT` steps, 3 batches: support.SINGLE_PROCESS["val"])."""
     common = [
-        "--trainer.max_steps=20",
-        "--trainer.val_check_interval=10",
-        "--trainer.limit_val_batches=3",
+        f"--trainer.max_steps={STEPS}",
+        *SINGLE_PROCESS["val"],
         f"--data.init_args.paths={corpus}",
         f"--data.init_args.cache_dir={tmp_path / 'cache'}",
     ]
     assert_ok(fit("ddp.yaml", tmp_path / "ddp", *common))
     single_run = baseline("val")
     single, ddp = single_run.losses(), step_losses(tmp_path / "ddp")
-    assert sorted(single) == sorted(ddp) == list(range(20))
+    assert sorted(single) == sorted(ddp) == list(range(STEPS))
     for step in single:
         assert abs(ddp[step] - single[step]) <= 1e-5 * abs(single[step]), (step, single[step], ddp[step])
-    assert single[19] < single[0] - 1.0  # it learns
+    assert single[STEPS - 1] < single[0] - 1.0  # it learns
     val_single, val_ddp = single_run.losses("val_loss"), step_losses(tmp_path / "ddp", "val_loss")
     assert val_single.keys() == val_ddp.keys() and len(val_single) == 2
     for step in val_single:
@@ -91,8 +90,8 @@ def evaluate(subcommand: str, config: str, save_dir: Path, corpus: Path, checkpo
 
 
 def single_process_val_loss(baseline) -> float:
-    """One process's val_loss on 3 validation batches after 10 steps: the weights of the shared reference runs'
-    step-10 checkpoints, which train in parity with it."""
+    """One process's val_loss on 3 validation batches after `RESUME_AT` steps: the weights of the shared reference
+    runs' checkpoints of that step, which train in parity with it."""
     losses = baseline("val").losses("val_loss")
     return losses[min(losses)]
 

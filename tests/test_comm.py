@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from snippets import parallelkit_args
-from support import assert_ok, assert_same_losses, callback, fit, fit_command, step_losses
+from support import STEPS, assert_ok, assert_same_losses, callback, fit, fit_command, step_losses
 from support import common as run_args
 from test_plugins import install_fake_distribution
 
@@ -19,7 +19,7 @@ HSDP = [
 ]
 
 
-def common(corpus, cache, steps: int = 20) -> list[str]:
+def common(corpus, cache, steps: int = STEPS) -> list[str]:
     return [*run_args(corpus, cache, steps), "--trainer.strategy.profile_communication=true"]
 
 
@@ -37,20 +37,20 @@ FSDP2 = [
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus, fsdp4_fp32):
-    """[[4, 1]] runs under fp32, fp16 and int8 for 20 steps (fp16 and int8: the communication guide's commands on
-    configs/comm_bf16.yaml); bf16 for 20 under HSDP [[2, 2]] (replicate x fsdp),
+    """[[4, 1]] runs under fp32, fp16 and int8 for `STEPS` steps (fp16 and int8: the communication guide's commands
+    on configs/comm_bf16.yaml); bf16 as long under HSDP [[2, 2]] (replicate x fsdp),
     which reduce-scatters the same full gradient and all-reduces its shard over replicate too (fp32 under HSDP gives
     [[4, 1]]'s losses within ~1e-6); int8 under HSDP for 3 steps: each run's CSV log directory, by name. The fp32 run
     is the session's `fsdp4_fp32` (shared with test_fsdp_tp.py)."""
     root = tmp_path_factory.mktemp("comm")
-    made = {"fp32_20": fsdp4_fp32}
-    for index, (name, hook) in enumerate((("fp16_20", "fp16"), ("int8_20", "int8"))):  # the guide's commands
+    made = {"fp32": fsdp4_fp32}
+    for index, (name, hook) in enumerate((("fp16", "fp16"), ("int8", "int8"))):  # the guide's commands
         args = parallelkit_args("comm-hooks", index)
         assert f"--trainer.strategy.comm_precision={hook}" in args
-        assert_ok(fit_command(args, root / name, *common(corpus, root / "cache", 20)))
+        assert_ok(fit_command(args, root / name, *common(corpus, root / "cache")))
         made[name] = root / name
     for name, hook, steps, layout in (
-        ("bf16_hsdp_20", "bf16", 20, HSDP),
+        ("bf16_hsdp", "bf16", STEPS, HSDP),
         ("int8_hsdp_3", "int8", 3, HSDP),
     ):
         assert_ok(
@@ -68,8 +68,8 @@ def runs(tmp_path_factory, corpus, fsdp4_fp32):
 
 def test_fp32_gradient_bytes_equal_four_bytes_per_parameter_per_step(runs):
     params = sum(p.numel() for p in reference_model().parameters())
-    per_step = step_losses(runs["fp32_20"], "comm/reduce_scatter_bytes")
-    assert len(per_step) == 20
+    per_step = step_losses(runs["fp32"], "comm/reduce_scatter_bytes")
+    assert len(per_step) == STEPS
     # One reduce-scatter of every (unsharded, fp32) gradient per optimizer step.
     assert set(per_step.values()) == {4.0 * params}
 
@@ -83,7 +83,7 @@ def test_each_unit_is_gathered_once_in_forward_and_again_in_backward_only_if_res
     blocks = [sum(p.numel() for p in model.get_submodule(unit).parameters()) for unit in resolve(model).fsdp_units]
     root = sum(p.numel() for p in model.parameters()) - sum(blocks)
     fsdp = 4 * (root + sum(blocks) + sum(blocks[:-1]))
-    gathered = step_losses(runs["fp32_20"], "comm/all_gather_bytes")
+    gathered = step_losses(runs["fp32"], "comm/all_gather_bytes")
     # The rest is RankMonitor's gather of each rank's few statistics.
     assert all(0 <= value - fsdp < 1024 for value in gathered.values()), (fsdp, gathered)
 
@@ -92,11 +92,11 @@ def test_a_training_step_waits_on_no_barrier(runs):
     """Lightning's strategies run a barrier before each all-reduce of a `sync_dist` value: a blocking round trip per
     logged value per step, which the all-reduce itself makes redundant. parallelkit's reduce without it: a [[4, 1]]
     step's one all-reduce is the logged loss's, and no barrier is counted in any step."""
-    assert "comm/barrier_count" not in next(runs["fp32_20"].rglob("metrics.csv")).read_text()
-    assert set(step_losses(runs["fp32_20"], "comm/all_reduce_count").values()) == {1.0}
+    assert "comm/barrier_count" not in next(runs["fp32"].rglob("metrics.csv")).read_text()
+    assert set(step_losses(runs["fp32"], "comm/all_reduce_count").values()) == {1.0}
 
 
-@pytest.mark.parametrize(("half", "full"), [("bf16_hsdp_20", "fp32_20"), ("fp16_20", "fp32_20")])
+@pytest.mark.parametrize(("half", "full"), [("bf16_hsdp", "fp32"), ("fp16", "fp32")])
 def test_half_precision_hooks_halve_gradient_bytes(runs, half, full):
     full_bytes = step_losses(runs[full], "comm/reduce_scatter_bytes")
     half_bytes = step_losses(runs[half], "comm/reduce_scatter_bytes")
@@ -106,25 +106,25 @@ def test_half_precision_hooks_halve_gradient_bytes(runs, half, full):
 
 
 def test_fp32_hook_matches_single_process_losses(runs, baseline):
-    assert_same_losses(baseline("plain").losses(), step_losses(runs["fp32_20"]), rtol=1e-6)
+    assert_same_losses(baseline("plain").losses(), step_losses(runs["fp32"]), rtol=1e-6)
 
 
 def test_int8_hook_sends_a_quarter_of_the_bytes_and_still_trains(runs):
-    fp32 = step_losses(runs["fp32_20"], "comm/reduce_scatter_bytes")
-    int8 = step_losses(runs["int8_20"], "comm/all_to_all_bytes")
-    assert "comm/reduce_scatter_bytes" not in next(runs["int8_20"].rglob("metrics.csv")).read_text()
+    fp32 = step_losses(runs["fp32"], "comm/reduce_scatter_bytes")
+    int8 = step_losses(runs["int8"], "comm/all_to_all_bytes")
+    assert "comm/reduce_scatter_bytes" not in next(runs["int8"].rglob("metrics.csv")).read_text()
     # 1 byte per element + 4 bytes of scale per rank per buffer: 3 buffers x 4 ranks x 4 bytes.
     assert sorted(int8) == sorted(fp32)
     for step in fp32:
         assert int8[step] == fp32[step] / 4 + 3 * 4 * 4
-    losses, exact = step_losses(runs["int8_20"]), step_losses(runs["fp32_20"])
-    assert losses[19] < losses[0] - 1.0
+    losses, exact = step_losses(runs["int8"]), step_losses(runs["fp32"])
+    assert losses[STEPS - 1] < losses[0] - 1.0
     assert_same_losses(exact, losses, rtol=0.02)
     assert max(abs(losses[s] - exact[s]) for s in exact) > 1e-4  # the hook is applied (measured: 1e-2 apart)
 
 
 def test_bf16_hook_stays_within_2_percent_of_fp32(runs):
-    exact, bf16 = step_losses(runs["fp32_20"]), step_losses(runs["bf16_hsdp_20"])
+    exact, bf16 = step_losses(runs["fp32"]), step_losses(runs["bf16_hsdp"])
     assert_same_losses(exact, bf16, rtol=0.02)
     # The hook is applied: not fp32's losses (measured: 5.7e-4 apart at most; fp32 under HSDP is within ~1e-6).
     assert max(abs(bf16[s] - exact[s]) for s in exact) > 1e-5
@@ -132,9 +132,9 @@ def test_bf16_hook_stays_within_2_percent_of_fp32(runs):
 
 def test_fp16_hook_trains_within_0_01_percent_of_fp32_and_is_not_fp32(runs):
     """fp16 keeps more mantissa than bf16 (FSDP2 scales before and after the sum so that it cannot overflow): close
-    to fp32 (measured: 2.4e-6 relative at most over 20 steps), but not fp32's losses (measured: 8.6e-6 apart at
+    to fp32 (measured: 2.4e-6 relative at most over 20 steps, by hand), but not fp32's losses (measured: 8.6e-6 apart at
     most), which an ignored hook gives exactly (same layout, same reduction order)."""
-    exact, fp16 = step_losses(runs["fp32_20"]), step_losses(runs["fp16_20"])
+    exact, fp16 = step_losses(runs["fp32"]), step_losses(runs["fp16"])
     assert_same_losses(exact, fp16, rtol=1e-4)
     assert fp16 != exact
 
@@ -147,17 +147,17 @@ def test_hsdp_replicate_all_reduce_is_in_the_hooks_dtype_and_stays_fp32_under_in
     params = sum(p.numel() for p in reference_model().parameters())
     groups = len(resolve(reference_model()).fsdp_units) + 1  # one buffer per FSDP module: the blocks and the root
     shard = params // 2
-    for name in ("bf16_hsdp_20", "int8_hsdp_3"):
+    for name in ("bf16_hsdp", "int8_hsdp_3"):
         assert set(step_losses(runs[name], "comm/all_reduce_count").values()) == {groups + 1.0}
-    bf16 = step_losses(runs["bf16_hsdp_20"], "comm/all_reduce_bytes")
+    bf16 = step_losses(runs["bf16_hsdp"], "comm/all_reduce_bytes")
     int8 = step_losses(runs["int8_hsdp_3"], "comm/all_reduce_bytes")
     assert set(bf16.values()) == {2.0 * shard + 4}
     assert set(int8.values()) == {4.0 * shard + 4}
     assert set(step_losses(runs["int8_hsdp_3"], "comm/all_to_all_bytes").values()) == {params + groups * 2 * 4.0}
     assert "comm/reduce_scatter_bytes" not in next(runs["int8_hsdp_3"].rglob("metrics.csv")).read_text()
     # Both train: the first steps as fp32's within the hooks' tolerance.
-    exact = step_losses(runs["fp32_20"])
-    for name in ("bf16_hsdp_20", "int8_hsdp_3"):
+    exact = step_losses(runs["fp32"])
+    for name in ("bf16_hsdp", "int8_hsdp_3"):
         losses = step_losses(runs[name])
         assert_same_losses({s: exact[s] for s in range(3)}, {s: losses[s] for s in range(3)}, rtol=0.02)
 

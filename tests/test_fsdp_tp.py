@@ -10,6 +10,8 @@ import yaml
 from snippets import commands, parallelkit_args
 from support import (
     REPO,
+    RESUME_AT,
+    STEPS,
     assert_ok,
     assert_same_losses,
     callback,
@@ -25,8 +27,6 @@ from support import (
 from parallelkit.callbacks.activations import SavedTensorWindow
 from parallelkit.models import GPT
 from parallelkit.parallel.activation_checkpoint import apply_activation_checkpointing
-
-STEPS = 20
 
 
 def layout(mesh: str, devices: int, batch_size: int) -> list[str]:
@@ -77,9 +77,8 @@ def test_layout_matches_single_process_losses(
     and the clipping norm spans both."""
     replicas = callback("parallelkit.callbacks.ReplicaMonitor", every_n_steps=5, on_mismatch="raise")
     overrides = (*common(corpus, tmp_path / "cache"), *layout(mesh, devices, batch_size), *extra, replicas)
-    # [[2, 2]] through `python -m parallelkit.cli` and Lightning's own launcher: the production path, once for the
-    # fsdp_tp family (the others are forked: tests/README.md).
-    assert_ok(fit("hybrid.yaml", tmp_path, *overrides, real_launch=name == "hybrid2x2_clip"))
+    # Forked: the fsdp_tp family's production-path run (a real launch) is the README's main command (test_output.py).
+    assert_ok(fit("hybrid.yaml", tmp_path, *overrides))
     losses = step_losses(tmp_path)
     assert_same_losses(baselines[expected], losses)
     assert losses[STEPS - 1] < losses[0] - 1.0
@@ -237,7 +236,7 @@ def test_meta_init_refuses_a_model_it_cannot_initialise(tmp_path):
 
 def test_hsdp_on_two_torchrun_nodes_matches_single_process(tmp_path, corpus, baseline):
     """Two launchers on this machine act as two nodes of 2 processes, as a cluster would start them. Compared with
-    the session's single-process run of the same 20 steps."""
+    the session's single-process run of the same steps."""
     port = free_port()
     (launcher, *command), *_ = commands("multi-node-torchrun", NODE0_ADDR="127.0.0.1")  # the guide's, on one machine
     assert launcher == "torchrun"
@@ -314,7 +313,7 @@ def test_auto_mesh_takes_the_planners_layout_and_keeps_parity(tmp_path, corpus, 
     dp = 1
     for size, axis in zip(*mesh):
         dp *= size if axis in ("replicate", "fsdp") else 1
-    # The same global batch in one process. A global batch of 8 is the session's single-process baseline (20 steps,
+    # The same global batch in one process. A global batch of 8 is the session's single-process baseline (as many steps,
     # as this run); another layout gets its own single-process run.
     if per_rank * dp == 8:
         expected = baseline("plain").losses()
@@ -335,27 +334,29 @@ def test_compiled_blocks_match_one_process_and_checkpoints_cross_between_compile
 ):
     """compile=true on [[2, 2]] (inductor per block, inside tensor parallelism with sequence parallelism, under FSDP,
     meta_init) and compile_optimizer=true (AdamW's update over the DTensor shards, its lr new every step), resuming
-    the eager reference run's step-10 checkpoint: steps 10-19 equal one process's, and torch.compile did build
-    graphs (an ignored flag fails). Its own step-15 checkpoint then resumes eager, giving one process's steps 15 and
-    16: checkpoint names and optimizer states are the eager ones both ways. The update's own graphs (those
+    the eager reference run's step-5 checkpoint: steps 5-9 equal one process's, and torch.compile did build graphs
+    (an ignored flag fails). Its own step-7 checkpoint then resumes eager, giving one process's steps 7 and 8:
+    checkpoint names and optimizer states are the eager ones both ways. The update's own graphs (those
     `optimizer.step` builds after its closure) are counted apart: none if `setup_optimizers` left the step eager.
     (20 compiled steps from scratch: 1.4e-7 from one process, by hand; two compiled runs cost CI a minute more.)"""
     compiled, eager = tmp_path / "compiled", tmp_path / "eager"
     run = [*common(corpus, tmp_path / "cache"), callback("models.CompiledGraphs")]
     resume = f"--ckpt_path={reference('hybrid.yaml').checkpoint}"
-    save = checkpoint_every(compiled / "ckpt", 15)
+    saved_at = RESUME_AT + 2
+    save = checkpoint_every(compiled / "ckpt", saved_at)
     options = ["--trainer.strategy.compile=true", "--trainer.strategy.compile_optimizer=true"]
     assert_ok(fit("hybrid.yaml", compiled, *run, *options, resume, save))
     losses = step_losses(compiled)
-    assert sorted(losses) == list(range(10, 20))
+    assert sorted(losses) == list(range(RESUME_AT, STEPS))
     assert_same_losses({step: baselines["plain"][step] for step in losses}, losses)
     assert min(step_losses(compiled, "compiled_graphs").values()) > 0
     optimizer_graphs = step_losses(compiled, "optimizer_graphs")  # the compiled update's, built in its first step
-    assert optimizer_graphs[10] > 0 and set(optimizer_graphs.values()) - {optimizer_graphs[10]} <= {0.0}
-    resume = f"--ckpt_path={compiled / 'ckpt' / 'epoch=0-step=15.ckpt'}"
-    assert_ok(fit("hybrid.yaml", eager, *run, resume, callback("models.StopAfter", step=17)))
+    first = optimizer_graphs[RESUME_AT]
+    assert first > 0 and set(optimizer_graphs.values()) - {first} <= {0.0}
+    resume = f"--ckpt_path={compiled / 'ckpt' / f'epoch=0-step={saved_at}.ckpt'}"
+    assert_ok(fit("hybrid.yaml", eager, *run, resume, callback("models.StopAfter", step=saved_at + 2)))
     losses = step_losses(eager)
-    assert sorted(losses) == [15, 16]
+    assert sorted(losses) == [saved_at, saved_at + 1]
     assert_same_losses({step: baselines["plain"][step] for step in losses}, losses)
     assert set(step_losses(eager, "compiled_graphs").values()) == {0.0}
     assert set(step_losses(eager, "optimizer_graphs").values()) == {0.0}

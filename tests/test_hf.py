@@ -10,7 +10,7 @@ import yaml
 from hf_families import tiny_config
 from models import GEMMA3, TINY_LLAMA
 from snippets import parallelkit_args
-from support import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses
+from support import REPO, RESUME_AT, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses
 
 from parallelkit.contract import declared_plan
 from parallelkit.errors import PlanError
@@ -116,11 +116,11 @@ def test_hf_checkpoint_from_2x2_resumes_in_another_layout_with_the_same_next_los
     tmp_path, corpus, reference, name, layout
 ):
     saved = reference(LLAMA)
-    stop = callback("models.StopAfter", step=12)  # steps 10 and 11; the LR schedule still plans for 20
+    stop = callback("models.StopAfter", step=RESUME_AT + 2)  # two steps; the LR schedule still plans for all
     resume = f"--ckpt_path={saved.checkpoint}"
     assert_ok(fit(LLAMA, tmp_path, *common(corpus, tmp_path / "cache"), *layout, resume, stop))
     resumed = step_losses(tmp_path)
-    assert sorted(resumed) == [10, 11]
+    assert sorted(resumed) == [RESUME_AT, RESUME_AT + 1]
     assert_same_losses({s: saved.losses()[s] for s in resumed}, resumed)
 
 

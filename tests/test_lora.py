@@ -10,6 +10,8 @@ from models import TINY_LLAMA
 from snippets import parallelkit_args, snippet
 from support import (
     FIRST_BATCH,
+    RESUME_AT,
+    STEPS,
     assert_ok,
     assert_own_tokenizer,
     assert_same_losses,
@@ -79,10 +81,10 @@ LAYOUTS = {
 
 
 def lora_run(reference, pretrained, state_dir, name: str):
-    """A 20-step LoRA run of configs/lora.yaml from the pretrained base under `name`'s layout (shared by the tests
+    """A reference LoRA run of configs/lora.yaml from the pretrained base under `name`'s layout (shared by the tests
     that read it); under tp2 each rank writes its bytes of parameters, gradients and optimizer state."""
     if name == "2x2":
-        return reference(CONFIG, *from_base(pretrained, FIRST_BATCH))  # configs/lora.yaml's layout; ckpt at step 10
+        return reference(CONFIG, *from_base(pretrained, FIRST_BATCH))  # configs/lora.yaml's layout; checkpointing
     extra = (state_bytes(state_dir / "lora_tp2"),) if name == "tp2" else ()
     return reference(CONFIG, *from_base(pretrained, *LAYOUTS[name], *extra))
 
@@ -106,7 +108,7 @@ def test_a_users_module_with_adapters_through_the_contract_matches_single_proces
     model = "--model=models.WrappedNetworkWithAdapters"
     losses = reference("hybrid.yaml", model).losses()
     assert_same_losses(reference("single.yaml", model).losses(), losses)
-    assert losses[19] < losses[0]
+    assert losses[STEPS - 1] < losses[0]
 
 
 def test_a_pipeline_rank_left_without_adapters_is_refused_with_the_fix():
@@ -185,23 +187,23 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly_on_2x2_and_in_on
     assert len(names) == 16 and all(n.endswith((".lora_A", ".lora_B")) for n in names), sorted(names)
     for name, layout in (("2x2", ()), ("one_process", mesh('[[1], ["fsdp"]]', 1, 8))):
         out = tmp_path / name
-        stop = callback("models.StopAfter", step=12)  # steps 10 and 11; the LR schedule still plans for 20
+        stop = callback("models.StopAfter", step=RESUME_AT + 2)  # two steps; the LR schedule still plans for all
         resume = f"--ckpt_path={run.checkpoint}"
         assert_ok(fit(CONFIG, out, *common(corpus, tmp_path / "cache"), *from_base(pretrained), *layout, resume, stop))
         resumed = step_losses(out)
-        assert sorted(resumed) == [10, 11]
+        assert sorted(resumed) == [RESUME_AT, RESUME_AT + 1]
         assert_same_losses({s: run.losses()[s] for s in resumed}, resumed)
 
 
 def test_exported_adapters_load_with_peft_and_the_merged_model_with_transformers_giving_parallelkits_logits(
     tmp_path, corpus, reference, pretrained
 ):
-    """The [[2, 2]] run's step-10 adapters: `export-hf --adapters` writes PEFT's format, which
+    """The [[2, 2]] run's step-5 adapters: `export-hf --adapters` writes PEFT's format, which
     `PeftModel.from_pretrained` puts on the base model; `export-hf` merges them into the base weights. Both give
     the logits of parallelkit's model holding those adapters, within 1e-5."""
     ckpt = lora_run(reference, pretrained, None, "2x2").checkpoint
     place = {
-        "runs/lora/checkpoints/last.ckpt": str(ckpt),  # its step-10 checkpoint
+        "runs/lora/checkpoints/last.ckpt": str(ckpt),  # its step-5 checkpoint
         "/data/my-adapter": str(tmp_path / "adapters"),
         "/data/Llama-3.2-1B-merged": str(tmp_path / "merged"),
         "/data/Llama-3.2-1B": str(pretrained),

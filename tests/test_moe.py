@@ -11,7 +11,18 @@ import transformers  # noqa: F401  the [hf] extra, which .ci/run installs: missi
 import yaml
 from hf_families import tiny_config
 from snippets import parallelkit_args
-from support import REPO, assert_ok, assert_same_losses, callback, common, fit, parallelkit, step_losses
+from support import (
+    REPO,
+    RESUME_AT,
+    STEPS,
+    assert_ok,
+    assert_same_losses,
+    callback,
+    common,
+    fit,
+    parallelkit,
+    step_losses,
+)
 
 from parallelkit.errors import ConfigError, PlanError
 from parallelkit.models import GPT, HFCausalLM
@@ -86,14 +97,14 @@ RUNS = [
 
 @pytest.fixture(scope="module")
 def fsdp_ep(reference):
-    """configs/moe.yaml as it is ([[2, 2], ["fsdp", "ep"]]), 20 steps, checkpointing at step 10, each rank writing its
+    """configs/moe.yaml as it is ([[2, 2], ["fsdp", "ep"]]), the reference run (checkpointing), each rank writing its
     parameter bytes (`models.StateBytes`)."""
     return reference(CONFIG, callback("models.StateBytes", out_dir="state"))
 
 
 @pytest.fixture(scope="module")
 def ep4(tmp_path_factory, corpus):
-    """configs/moe.yaml on [[4], ["ep"]] for 20 steps with profile_communication: its CSV log directory."""
+    """configs/moe.yaml on [[4], ["ep"]] with profile_communication: its CSV log directory."""
     log = tmp_path_factory.mktemp("ep4")
     profile = "--trainer.strategy.profile_communication=true"
     assert_ok(fit(CONFIG, log, *common(corpus, log / "cache"), *LAYOUTS["ep4"], profile))
@@ -130,7 +141,7 @@ def test_all_to_all_carries_the_routed_tokens_and_none_are_dropped(ep4):
     the per-expert counts (8 x int64) first; `ExpertMonitor` counts the copies per expert."""
     hidden, layers, experts, copies = 64, 2, 8, 2 * 64 * 2
     rows = list(_metrics(ep4))
-    assert len(rows) == 20
+    assert len(rows) == STEPS
     for row in rows:
         tokens = [row[f"moe/tokens_expert_{e}"] for e in range(experts)]
         assert sum(tokens) == 4 * copies * layers and row["moe/dropped"] == 0
@@ -178,11 +189,11 @@ def _metrics(log):
 def test_an_fsdp_ep_checkpoint_resumes_in_another_layout_with_the_same_next_losses(
     tmp_path, corpus, fsdp_ep, name, layout
 ):
-    stop = callback("models.StopAfter", step=12)
+    stop = callback("models.StopAfter", step=RESUME_AT + 2)
     resume = f"--ckpt_path={fsdp_ep.checkpoint}"
     assert_ok(fit(CONFIG, tmp_path, *common(corpus, tmp_path / "cache"), *layout, resume, stop))
     resumed = step_losses(tmp_path)
-    assert sorted(resumed) == [10, 11]
+    assert sorted(resumed) == [RESUME_AT, RESUME_AT + 1]
     assert_same_losses({s: fsdp_ep.losses()[s] for s in resumed}, resumed)
 
 

@@ -11,6 +11,8 @@ import yaml
 from snippets import parallelkit_args
 from support import (
     REPO,
+    RESUME_AT,
+    STEPS,
     assert_ok,
     assert_same_losses,
     callback,
@@ -57,7 +59,7 @@ def finetune(pretrained) -> tuple[str, ...]:
 
 @pytest.fixture(scope="module")
 def peft_losses(tmp_path_factory, corpus, pretrained_moe):
-    """transformers + PEFT in one process, 20 steps, trained by Lightning (configs/moe.yaml's run otherwise): its
+    """transformers + PEFT in one process, `STEPS` steps, trained by Lightning (configs/moe.yaml's run otherwise): its
     per-step losses."""
     log = tmp_path_factory.mktemp("peft")
     peft = ("--model=models.PeftCausalLM", *finetune(pretrained_moe), "--trainer.callbacks=[]")  # no ExpertMonitor:
@@ -70,29 +72,30 @@ def peft_losses(tmp_path_factory, corpus, pretrained_moe):
 def test_lora_on_the_experts_trains_as_peft_in_one_process(tmp_path, corpus, pretrained_moe, peft_losses, layout):
     """Adapters on q, v and on each expert's gate/up and down projections, on each of the MoE guide's layouts (each
     rank holding its experts' adapters as it holds them: whole on tp ranks, sharded over cp): per-step losses equal
-    transformers + PEFT's in one process (fp32, 1e-5). The fsdp x ep run's step-20 adapters, exported with `export-hf
+    transformers + PEFT's in one process (fp32, 1e-5). The fsdp x ep run's last adapters, exported with `export-hf
     --adapters`, load into transformers with PEFT and give parallelkit's logits, and merged by `export-hf` give them
-    too (1e-5). Its step-10 checkpoint (the adapters and their AdamW state, each expert's once) resumes on [[4],
-    ["ep"]], each rank taking its experts' adapters: steps 10 and 11 are PEFT's too. A run started from the exported
+    too (1e-5). Its mid-run checkpoint (the adapters and their AdamW state, each expert's once) resumes on [[4],
+    ["ep"]], each rank taking its experts' adapters: the next two steps are PEFT's too. A run started from the exported
     adapters (`lora.init_from`, in one process and on ep 4) holds them bit for bit; other ranks or targets are
     refused."""
-    save = checkpoint_every(tmp_path / "ckpt", 10)
+    save = checkpoint_every(tmp_path / "ckpt", RESUME_AT)
     run = (*common(corpus, tmp_path / "cache"), *finetune(pretrained_moe))
     assert_ok(fit(CONFIG, tmp_path / "log", *run, *LAYOUTS[layout], save))
     assert_same_losses(peft_losses, step_losses(tmp_path / "log"))
     if layout != "fsdp_ep":
         return
-    resume = (f"--ckpt_path={tmp_path / 'ckpt' / 'epoch=0-step=10.ckpt'}", callback("models.StopAfter", step=12))
+    mid_run = tmp_path / "ckpt" / f"epoch=0-step={RESUME_AT}.ckpt"
+    resume = (f"--ckpt_path={mid_run}", callback("models.StopAfter", step=RESUME_AT + 2))
     assert_ok(fit(CONFIG, tmp_path / "resumed", *run, *LAYOUTS["ep4"], *resume))
     resumed = step_losses(tmp_path / "resumed")
-    assert sorted(resumed) == [10, 11]
+    assert sorted(resumed) == [RESUME_AT, RESUME_AT + 1]
     assert_same_losses({step: peft_losses[step] for step in resumed}, resumed)
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
     from parallelkit.checkpoint import consolidate
 
-    ckpt = tmp_path / "ckpt" / "epoch=0-step=20.ckpt"
+    ckpt = tmp_path / "ckpt" / f"epoch=0-step={STEPS}.ckpt"
     place = {"runs/moe/version_0/checkpoints/epoch=0-step=200.ckpt": str(ckpt), "/data/qwen3-moe-adapter": "adapters"}
     assert_ok(parallelkit(*parallelkit_args("moe-lora", 1, **place), cwd=tmp_path))  # the guide's export
     assert_ok(parallelkit("export-hf", str(ckpt), str(tmp_path / "merged"), cwd=tmp_path))

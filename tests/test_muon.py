@@ -16,6 +16,8 @@ from models import TorchOptimizers
 from snippets import parallelkit_args, snippet
 from support import (
     REPO,
+    RESUME_AT,
+    STEPS,
     assert_ok,
     assert_same_losses,
     callback,
@@ -33,7 +35,6 @@ from parallelkit.optimizers.muon import Muon, hidden_matrices
 COMMAND, FLAG, GUIDE_CONFIG, *GUIDE = parallelkit_args("muon-fit")  # the guide's command (docs/guides/muon.md)
 OURS = tuple(GUIDE)  # torch's name and defaults, as users write it, run as parallelkit.Muon
 REFERENCE = ("--optimizer=models.TorchMuon", *OURS[1:])
-STEPS, RESUME_AT = 20, 10
 ONE_PROCESS = ("--trainer.strategy=auto", "--trainer.devices=1", "--data.init_args.batch_size=8")
 LAYOUTS = {
     "fsdp_tp": (),  # the configs' own [[2, 2], ["fsdp", "tp"]] (moe.yaml's [[2, 2], ["fsdp", "ep"]])
@@ -157,11 +158,11 @@ def test_lora_adapters_with_accumulation_take_torchs_updates(tmp_path_factory, c
 
 
 def test_a_checkpoint_resumes_in_another_layout_exactly(tmp_path, corpus, layouts):
-    """The fsdp x tp run's step-10 checkpoint (momentum buffers and AdamW moments, fsdp x tp shards) resumed on HSDP
+    """The fsdp x tp run's mid-run checkpoint (momentum buffers and AdamW moments, fsdp x tp shards) resumed on HSDP
     [[2, 1, 2], ["replicate", "fsdp", "tp"]] (the state whole on each replica's tp ranks): torch's optimizers fed the
-    uninterrupted run's gradients to step 10, then the resumed run's, give the resumed run's parameters at step 12
-    bit for bit (as they give the uninterrupted run's), and every step's loss to the end is the uninterrupted run's
-    within 1e-6 (measured: equal). A layout that sums the gradients in another order drifts as in the test above:
+    uninterrupted run's gradients to that step, then the resumed run's, give the resumed run's parameters two steps
+    later bit for bit (as they give the uninterrupted run's), and every step's loss to the end is the uninterrupted
+    run's within 1e-6 (measured: equal). A layout that sums the gradients in another order drifts as in the test above:
     resumed on [[4], ["fsdp"]], the same replay holds bit for bit and the losses part by 3.9e-6 by step 20 (by
     hand)."""
     straight = layouts("hybrid.yaml", "fsdp_tp")

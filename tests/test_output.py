@@ -4,12 +4,15 @@ warning that is not about the user's own code."""
 import re
 
 from snippets import commands, parallelkit_args
-from support import REPO, assert_ok, in_repo, parallelkit
+from support import REPO, assert_ok, assert_same_losses, in_repo, parallelkit, step_losses
 
 NOISE = re.compile(r"Warning|warn\(|deprecated|It is recommended|FLOPs|Epoch \d+/-|Tip:|Traceback", re.IGNORECASE)
 
 
-def test_main_command_prints_no_warning_that_is_not_about_the_users_code(tmp_path, corpus):
+def test_main_command_prints_no_warning_that_is_not_about_the_users_code(tmp_path, corpus, baseline):
+    """Launched for real (Python's default warning filters change what the interpreter does at start): the README's
+    main command through `python -m parallelkit.cli` and Lightning's own launcher, fresh interpreters for every rank,
+    is also the fsdp_tp family's production-path parity run (tests/README.md): its steps are one process's."""
     main = parallelkit_args("two-commands")  # the README's main command
     assert main == parallelkit_args("three-ways-in") and commands("index-first-run")[1][1:] == main  # and the site's
     proc = parallelkit(
@@ -27,6 +30,9 @@ def test_main_command_prints_no_warning_that_is_not_about_the_users_code(tmp_pat
     assert "Epoch 0" in output and "Total params" in output and "val_loss" in output  # what a run should show
     assert "v_num" not in output  # the logger's version, as a float ("v_num: 0.000")
     assert not NOISE.findall(output), [line for line in output.splitlines() if NOISE.search(line)]
+    losses, expected = step_losses(tmp_path), baseline("plain").losses()
+    assert sorted(losses) == [0, 1, 2, 3]
+    assert_same_losses({step: expected[step] for step in losses}, losses)
 
 
 def test_a_dry_run_of_a_hugging_face_preset_prints_nothing_but_its_plan(tmp_path):

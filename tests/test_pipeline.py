@@ -3,7 +3,18 @@
 import pytest
 import torch
 from snippets import parallelkit_args
-from support import assert_ok, assert_same_losses, callback, common, fit, fit_command, script, step_losses
+from support import (
+    RESUME_AT,
+    STEPS,
+    assert_ok,
+    assert_same_losses,
+    callback,
+    common,
+    fit,
+    fit_command,
+    script,
+    step_losses,
+)
 from torch import nn
 
 from parallelkit import PipelineStrategy
@@ -12,8 +23,6 @@ from parallelkit.models import GPT
 from parallelkit.parallel import resolve
 from parallelkit.parallel.pipeline import StageModule
 from parallelkit.parallel.resolve import split_stages
-
-STEPS = 20
 
 
 @pytest.mark.parametrize(
@@ -52,7 +61,7 @@ STEPS = 20
                 '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "cp"]]',
                 "--trainer.strategy.compile=aot_eager",
                 callback("models.CompiledGraphs"),
-                "--trainer.val_check_interval=10",
+                f"--trainer.val_check_interval={RESUME_AT}",
                 "--trainer.limit_val_batches=3",
             ],
             "val",
@@ -71,7 +80,7 @@ STEPS = 20
             "interleaved.yaml",
             [
                 "--trainer.strategy.schedule=zbv",
-                "--trainer.val_check_interval=10",
+                f"--trainer.val_check_interval={RESUME_AT}",
                 "--trainer.limit_val_batches=3",
             ],
             "val",
@@ -177,7 +186,7 @@ def test_zero_bubble_schedules_refuse_what_they_cannot_run():
 
 
 def test_pipelined_validation_gives_the_single_process_val_loss(tmp_path, corpus, baseline):
-    val = ["--trainer.val_check_interval=10", "--trainer.limit_val_batches=3"]
+    val = [f"--trainer.val_check_interval={RESUME_AT}", "--trainer.limit_val_batches=3"]
     assert_ok(fit("1f1b.yaml", tmp_path, *common(corpus, tmp_path / "cache"), *val))
     expected = baseline("val").losses("val_loss")
     assert len(expected) == 2
@@ -268,7 +277,7 @@ def test_parameters_outside_pipeline_layers_are_refused():
                 "--trainer.devices=1",
                 '--trainer.strategy.mesh_shape=[[1], ["fsdp"]]',
                 "--data.init_args.batch_size=8",
-                "--trainer.max_steps=12",
+                f"--trainer.max_steps={RESUME_AT + 2}",
             ],
         ),
     ],
@@ -279,7 +288,7 @@ def test_1f1b_checkpoint_resumes_in_another_layout_with_the_same_next_losses(tmp
     resume = f"--ckpt_path={pp.checkpoint}"
     assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *common(corpus, tmp_path / "cache"), resume, *layout))
     resumed = step_losses(tmp_path / "resumed")
-    assert min(resumed) == 10
+    assert min(resumed) == RESUME_AT
     assert_same_losses({s: v for s, v in pp.losses().items() if s in resumed}, resumed)
 
 

@@ -11,6 +11,8 @@ from models import TINY_LLAMA
 from snippets import parallelkit_args
 from support import (
     FIRST_BATCH,
+    RESUME_AT,
+    STEPS,
     assert_ok,
     assert_own_tokenizer,
     assert_same_losses,
@@ -66,14 +68,14 @@ def from_base(pretrained, *overrides: str) -> tuple[str, ...]:
 
 
 def test_qlora_on_fsdp4_matches_one_process_and_its_checkpoint_resumes_in_a_pipeline(reference, pretrained):
-    """20 steps on [[4], ["fsdp"]] (NF4 weights sharded, all-gathered as 4-bit data) equal one process's; the run's
-    step-10 adapters resumed under 1F1B pp=2 give one process's steps 10-19 (20 steps of 1F1B from the start:
-    1.7e-7 by hand)."""
+    """[[4], ["fsdp"]] (NF4 weights sharded, all-gathered as 4-bit data) equals one process per step; the run's
+    mid-run adapters resumed under 1F1B pp=2 give one process's next steps (20 steps of 1F1B from the start: 1.7e-7
+    by hand)."""
     expected = reference(CONFIG, *from_base(pretrained, *ONE_PROCESS)).losses()
     fsdp = reference(CONFIG, *from_base(pretrained, *README))
     assert_same_losses(expected, fsdp.losses())
     resumed = reference(CONFIG, *from_base(pretrained, *PIPELINE, f"--ckpt_path={fsdp.checkpoint}")).losses()
-    assert sorted(resumed) == list(range(10, 20))
+    assert sorted(resumed) == list(range(RESUME_AT, STEPS))
     assert_same_losses({step: expected[step] for step in resumed}, resumed)
 
 
@@ -95,8 +97,8 @@ def test_the_guides_command_feeds_a_users_model_its_own_tokenizer(reference, pre
 
 
 def test_qlora_is_close_to_lora_on_the_unquantized_base_and_not_equal(reference, pretrained):
-    """The same run with the base in fp32: losses close over 20 steps (measured: at most 0.27% apart, at step 8, the
-    median step 0.053%) and not equal (the base really is quantized: the median step 5e-4 apart)."""
+    """The same run with the base in fp32: losses close at every step (measured over 20 steps: at most 0.27% apart, at
+    step 8, the median step 0.053%) and not equal (the base really is quantized: the median step 5e-4 apart)."""
     qlora = reference(CONFIG, *from_base(pretrained, *ONE_PROCESS)).losses()
     lora = reference(CONFIG, *from_base(pretrained, *ONE_PROCESS, "--model.init_args.lora.quantize_base=null"))
     gaps = [abs(qlora[step] - loss) / loss for step, loss in lora.losses().items()]
@@ -105,7 +107,7 @@ def test_qlora_is_close_to_lora_on_the_unquantized_base_and_not_equal(reference,
 
 
 def test_exports_load_in_peft_and_transformers_within_the_quantization_error(tmp_path, reference, pretrained):
-    """The fsdp run's step-10 adapters: `--adapters` (PEFT's format) on the unquantized base equals the merged export
+    """The fsdp run's mid-run adapters: `--adapters` (PEFT's format) on the unquantized base equals the merged export
     (which merges into the fp32 weights read from `pretrained`); both differ from parallelkit's QLoRA model by the
     base's quantization error only (peft cannot put adapters on torchao's NF4 base: it quantizes with bitsandbytes)."""
     from peft import PeftModel
@@ -114,7 +116,7 @@ def test_exports_load_in_peft_and_transformers_within_the_quantization_error(tmp
     # The guide's two exports: the first as the command, in a fresh interpreter, where torchao (which transformers
     # imports) speaks: it prints its result and nothing else; the second in this process (the same function).
     place = {
-        "runs/qlora/checkpoints/last.ckpt": str(ckpt),  # its step-10 checkpoint
+        "runs/qlora/checkpoints/last.ckpt": str(ckpt),  # its mid-run checkpoint
         "/data/my-adapter": str(tmp_path / "adapters"),
         "/data/Llama-3.2-1B-merged": str(tmp_path / "merged"),
     }

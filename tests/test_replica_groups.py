@@ -15,6 +15,7 @@ from support import (
     REPO,
     SFT_GPT,
     SFT_ONE_PROCESS,
+    STEPS,
     assert_ok,
     assert_same_losses,
     callback,
@@ -36,7 +37,11 @@ from parallelkit.parallel.replica_groups import ReplicaGroups
 GROUP_MESH = ('--trainer.strategy.mesh_shape=[[2], ["fsdp"]]', "--trainer.devices=2")
 
 
-def group_args(corpus, log, group: int, lighthouse: str, *extra: str) -> list[str]:
+FAULT_STEPS = 20
+"""The length of the runs a group is killed in: room for the kill, the group's return and steps after it."""
+
+
+def group_args(corpus, log, group: int, lighthouse: str, *extra: str, steps: int = STEPS) -> list[str]:
     """The multi-node guide's group command (hybrid.yaml, [[2], ["fsdp"]] inside each group, 2 samples per process: a
     global batch of 2 x 2 x 2 = 8, one process's baseline) as group `group`, on the suite's corpus."""
     command = in_repo(parallelkit_args("replica-groups", 1, **{"http://HOST:29510": lighthouse}))
@@ -44,7 +49,7 @@ def group_args(corpus, log, group: int, lighthouse: str, *extra: str) -> list[st
     command = [arg.replace("replica_groups.group=0", f"replica_groups.group={group}") for arg in command]
     return [
         *command,
-        *common(corpus, log / "cache"),
+        *common(corpus, log / "cache", steps),
         f"--trainer.logger.init_args.save_dir={log}",
         "--trainer.enable_progress_bar=false",
         "--trainer.enable_model_summary=false",
@@ -129,7 +134,7 @@ def test_two_replica_groups_train_as_one_process_and_end_bit_identical(tmp_path,
     for log in logs:
         assert set(step_losses(log, "ft/participants").values()) == {2.0}
         assert set(step_losses(log, "ft/groups").values()) == {3.0}
-        assert list(step_losses(log, "ft/committed_steps").values()) == [float(s) for s in range(1, 21)]
+        assert list(step_losses(log, "ft/committed_steps").values()) == [float(s) for s in range(1, STEPS + 1)]
     for rank in (0, 1):
         digests = [json.loads((log / "digest" / f"rank{rank}.json").read_text()) for log in logs]
         assert digests[0] == digests[1] and digests[0]["optimized"] > 0, digests
@@ -168,8 +173,6 @@ def two_groups(directory: Path, lighthouse: str, config: str, strategy: tuple, *
     assert codes == [0, 0], [job.stderr()[-4000:] for job in jobs]
     return logs
 
-
-STEPS = 12
 
 LAYOUTS_IN_GROUPS = {
     # SFT packed rows (each step's loss divided by the targets of the groups taking part), cp2 inside each group,
@@ -326,8 +329,8 @@ def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
     killed = (together, callback("models.KillGroupAt", step=6, when=when), *ACCUMULATED, *DATA[when])
     with running_lighthouse(tmp_path, "--min-groups", "1", "--heartbeat-timeout-ms", "1000") as address:
         first = [
-            launch(group_args(corpus, logs["survivor"], 0, address, *survivor), cwd=tmp_path),
-            launch(group_args(corpus, logs["killed"], 1, address, *killed), cwd=tmp_path),
+            launch(group_args(corpus, logs["survivor"], 0, address, *survivor, steps=FAULT_STEPS), cwd=tmp_path),
+            launch(group_args(corpus, logs["killed"], 1, address, *killed, steps=FAULT_STEPS), cwd=tmp_path),
         ]
         with none_left(first) as jobs:
             assert jobs[1].wait(timeout=180) == -signal.SIGKILL, jobs[1].stderr()[-4000:]
@@ -336,7 +339,9 @@ def killed_and_back(tmp_path, corpus, when: str) -> dict[str, Path]:
                 assert jobs[0].poll() is None and time.monotonic() < deadline, jobs[0].stderr()[-4000:]
                 time.sleep(0.02)
             returned = callback("models.Touch", path=str(back))
-            again = group_args(corpus, logs["returned"], 1, address, returned, *ACCUMULATED, *DATA[when])
+            again = group_args(
+                corpus, logs["returned"], 1, address, returned, *ACCUMULATED, *DATA[when], steps=FAULT_STEPS
+            )
             jobs.append(launch(again, cwd=tmp_path))
             for job in (jobs[0], jobs[2]):
                 assert job.wait(timeout=180) == 0, job.stderr()[-4000:]
@@ -364,7 +369,7 @@ def replay(tmp_path, corpus, schedule: list[list[int]], tokens: bool) -> dict[in
             "--data.init_args.accumulate=2",
         ]
         accumulate = "--trainer.accumulate_grad_batches=2"
-        assert_ok(fit("single.yaml", log, *common(corpus, log / "cache"), *data, *sizes, accumulate))
+        assert_ok(fit("single.yaml", log, *common(corpus, log / "cache", FAULT_STEPS), *data, *sizes, accumulate))
         _replays[key] = step_losses(log)
     return _replays[key]
 
@@ -407,7 +412,7 @@ def test_a_killed_group_comes_back_healed_from_the_survivor_and_both_equal_a_one
 
 
 def test_every_group_restarted_after_a_kill_during_a_save_resumes_exactly_the_furthest_checkpoint(
-    tmp_path, corpus, baseline
+    tmp_path, corpus, reference
 ):
     """Each group checkpoints every 4 steps in its own directory. Group 1 loses a rank in the middle of its step-8
     save (`models.KillDuringSave`: its step-8 checkpoint stays `.partial`, its last is step 4), group 0 is killed
@@ -424,7 +429,9 @@ def test_every_group_restarted_after_a_kill_during_a_save_resumes_exactly_the_fu
     for attempt, extra, groups in (("killed", kills, "1"), ("resumed", ["--ckpt_path=last"] * 2, "2")):
         with running_lighthouse(tmp_path, "--min-groups", groups, "--heartbeat-timeout-ms", "1000") as address:
             together = callback("models.StartTogether", directory=str(tmp_path / attempt), count=2)
-            run = [group_args(corpus, logs[g], g, address, together, saves[g], extra[g]) for g in (0, 1)]
+            run = [
+                group_args(corpus, logs[g], g, address, together, saves[g], extra[g], steps=FAULT_STEPS) for g in (0, 1)
+            ]
             with none_left([launch(command, cwd=tmp_path) for command in run]) as jobs:
                 codes = [job.wait(timeout=180) for job in jobs]
             if attempt == "killed":
@@ -436,7 +443,7 @@ def test_every_group_restarted_after_a_kill_during_a_save_resumes_exactly_the_fu
                 ]
             else:
                 assert codes == [0, 0], [job.stderr()[-3000:] for job in jobs]
-    straight = baseline("plain").losses()
+    straight = reference("single.yaml", f"--trainer.max_steps={FAULT_STEPS}").losses()  # one process, as long
     for log in logs:
         resumed = step_losses(log)
         assert sorted(resumed) == list(range(8, 20)), resumed
