@@ -1,5 +1,6 @@
 import ast
 import copy
+import math
 
 import pytest
 import torch
@@ -48,6 +49,26 @@ def test_rotary_table_is_one_operator_in_a_compiled_graph():
     traced = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op.startswith("call")]
     assert any("rotary_table" in target for target in traced), traced
     assert not any(target.split(".")[-1] in ("cos", "sin") for target in traced), traced
+
+
+def test_the_learning_rate_warms_up_linearly_then_decays_on_a_cosine_toward_its_floor_as_the_run_ends():
+    """The configs' schedule past their 10 warmup steps, which the parity runs (10 steps: support.STEPS) no longer
+    reach: the run's length (Lightning's `estimated_stepping_batches`, `max_steps` here) sets the decay."""
+    from types import SimpleNamespace
+
+    model = GPT(n_layer=1, n_head=2, n_embd=16, lr=1.0, warmup_steps=4, min_lr_ratio=0.1)
+    model.trainer = SimpleNamespace(estimated_stepping_batches=12)
+    configured = model.configure_optimizers()
+    optimizer, scheduler = configured["optimizer"], configured["lr_scheduler"]["scheduler"]
+    rates = []
+    for _ in range(12):
+        rates.append(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        scheduler.step()
+    assert rates[:4] == pytest.approx([0.25, 0.5, 0.75, 1.0])  # linear warmup, the peak at its last step
+    # Then the peak again and down over the 8 steps left, toward lr x min_lr_ratio, which the step after the run's
+    # last would take.
+    assert rates[4:] == pytest.approx([0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * k / 8)) for k in range(8)])
 
 
 def test_same_seed_gives_same_weights():

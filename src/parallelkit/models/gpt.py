@@ -189,7 +189,7 @@ class GPT(CausalLM):
         weight_decay: AdamW weight decay, applied to matrices and embeddings only (not norms).
         betas: AdamW betas.
         warmup_steps: Optimizer steps of linear warmup from 0 to `lr`.
-        min_lr_ratio: The cosine decay ends at `lr * min_lr_ratio` on the run's last step.
+        min_lr_ratio: The cosine decay reaches `lr * min_lr_ratio` as the run ends (after its last step).
         init_std: Standard deviation of the normal initialisation of weights.
         lora: Low-rank adapters (`parallelkit.adapters.lora.LoRA`: rank, alpha, dropout, targets) on the targeted linear
             layers, every other parameter frozen. None: the whole model trains.

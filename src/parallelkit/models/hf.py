@@ -59,7 +59,7 @@ class HFCausalLM(HFPlanMixin, HFStagesMixin, CausalLM):
         weight_decay: AdamW weight decay, applied to matrices and embeddings only (not norms).
         betas: AdamW betas.
         warmup_steps: Optimizer steps of linear warmup from 0 to `lr`.
-        min_lr_ratio: The cosine decay ends at `lr * min_lr_ratio` on the run's last step.
+        min_lr_ratio: The cosine decay reaches `lr * min_lr_ratio` as the run ends (after its last step).
         lora: Low-rank adapters (`parallelkit.adapters.lora.LoRA`: rank, alpha, dropout, targets, e.g. `{rank: 8,
             targets: [q_proj, k_proj, v_proj, o_proj]}`) on the targeted linear layers, every other parameter frozen:
             the base weights (from `pretrained`, or the seed) never change, and checkpoints hold the adapters. None:

@@ -166,8 +166,8 @@ class CausalLM(PreferenceSteps, L.LightningModule):
 
     @override
     def configure_optimizers(self) -> dict:
-        """AdamW, weight decay on matrices and embeddings only; linear warmup to `lr`, then cosine decay to
-        `lr * min_lr_ratio` on the run's last step."""
+        """AdamW, weight decay on matrices and embeddings only; linear warmup to `lr`, then cosine decay reaching
+        `lr * min_lr_ratio` as the run ends (the last step's rate is one decay step above it)."""
         hp = self.hparams
         decay = [p for p in self.parameters() if p.requires_grad and p.ndim >= 2]
         no_decay = [p for p in self.parameters() if p.requires_grad and p.ndim < 2]
