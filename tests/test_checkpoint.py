@@ -237,7 +237,7 @@ def test_a_save_cut_short_is_ignored_and_last_resumes_from_the_complete_one(save
     `last.ckpt.partial`, newer than `last.ckpt`) resumes from the complete `last.ckpt`: here the shared [[2, 2]]
     run's step-5 checkpoint under that name."""
     resumed = resumed_2x2
-    assert sorted(resumed) == list(range(RESUME_AT, STEPS))  # from the complete checkpoint's step
+    assert sorted(resumed) == list(range(RESUME_AT, STEPS))  # from the complete checkpoint's step on
     assert_same_losses({step: saved[0][step] for step in resumed}, resumed)
 
 
