@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import NoReturn
 
 from parallelkit.cli.config import read_config
 from parallelkit.compat import quiet_known_noise
@@ -99,6 +100,18 @@ def rank_zero_ended(launcher_pid: int) -> bool:
     return os.getppid() != launcher_pid
 
 
+def end_before_armed(subcommand: str, launcher_pid: int) -> NoReturn:
+    """Ctrl-C before CTRL_C is armed: nothing is running yet that would keep anything (no process group, no rank
+    launched, no file being written). Rank 0 says so; another rank (Lightning's launcher started it) waits for rank 0
+    to end first, as an interrupted rank does. Both end with 130 at once."""
+    if global_rank():
+        rank_zero_ended(launcher_pid)
+    else:
+        print(interrupted_before(subcommand), file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(128 + signal.SIGINT)
+
+
 def interrupted_before(subcommand: str) -> str:
     """What rank 0 says when Ctrl-C stops `subcommand` before it has anything to keep."""
     if subcommand == "fit":
@@ -121,9 +134,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     run = args[0] if args and args[0] in RUNS else None
     interrupted, armed = 128 + signal.SIGINT, False
     if run is not None and threading.current_thread() is threading.main_thread():
-        # Ctrl-C heard from the first instant, until CTRL_C is armed as Python's KeyboardInterrupt (handled below):
-        # also in a job whose parent ignores SIGINT (a script's background job), which armed CTRL_C hears later.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        # Ctrl-C heard from the first instant, until CTRL_C is armed: also in a job whose parent ignores SIGINT (a
+        # script's background job), which armed CTRL_C hears later. The process ends in the handler (it has nothing
+        # to keep yet), not by a KeyboardInterrupt raised inside whatever is importing: numpy, interrupted in the
+        # middle of its import under torch's, was left half-initialised and recursed (once, on a loaded machine).
+        signal.signal(signal.SIGINT, lambda signum, frame: end_before_armed(run, launcher_pid))
     quiet_known_noise()  # before a tool or a model imports transformers, which imports torchao
     try:
         if args and args[0] in TOOLS:
