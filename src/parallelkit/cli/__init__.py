@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Sequence
+from os import _exit  # documented (os._exit): the SIGINT handler ends the process before anything needs a clean exit
 from pathlib import Path
 from typing import NoReturn
 
@@ -109,7 +110,7 @@ def end_before_armed(subcommand: str, launcher_pid: int) -> NoReturn:
     else:
         print(interrupted_before(subcommand), file=sys.stderr, flush=True)
     sys.stdout.flush()
-    os._exit(128 + signal.SIGINT)
+    _exit(128 + signal.SIGINT)
 
 
 def interrupted_before(subcommand: str) -> str:
