@@ -388,18 +388,20 @@ def test_a_killed_group_comes_back_healed_from_the_survivor_and_both_equal_a_one
         logs = killed_and_back(tmp_path, corpus, when)
         survivor, returned = step_losses(logs["survivor"]), step_losses(logs["returned"])
         committed = step_losses(logs["survivor"], "ft/committed_steps")
-        assert sorted(committed) == list(range(20)) and list(committed.values()) == [float(s) for s in range(1, 21)]
+        assert sorted(committed) == list(range(FAULT_STEPS))
+        assert list(committed.values()) == [float(s) for s in range(1, FAULT_STEPS + 1)]
         groups = step_losses(logs["survivor"], "ft/groups")
-        schedule = [[g for g in (0, 1) if int(groups[step]) >> g & 1] for step in range(20)]
+        schedule = [[g for g in (0, 1) if int(groups[step]) >> g & 1] for step in range(FAULT_STEPS)]
         rejoined = step_losses(logs["returned"], "ft/committed_steps")
         back = min(rejoined)  # the step group 1 came back at: 12, or later if group 0 asked for a quorum first
         # (both are in the first quorum unless group 1's first heartbeat came late: it then joined a step later)
         assert all(groups in ([0, 1], [0]) for groups in schedule[:6]) and schedule[5] == [0, 1], schedule
-        assert schedule[6:] == [[0]] * (back - 6) + [[0, 1]] * (20 - back) and 12 <= back < 20, schedule
-        assert list(rejoined.items()) == [(step, float(step + 1)) for step in range(back, 20)], rejoined
+        assert 12 <= back < FAULT_STEPS, schedule
+        assert schedule[6:] == [[0]] * (back - 6) + [[0, 1]] * (FAULT_STEPS - back), schedule
+        assert list(rejoined.items()) == [(step, float(step + 1)) for step in range(back, FAULT_STEPS)], rejoined
         copied = {log: set(step_losses(logs[log], "ft/copied_steps").values()) for log in ("survivor", "returned")}
         assert copied == {"survivor": {0.0}, "returned": {float(back)}}, copied
-        retries = step_losses(logs["survivor"], "ft/retries")[19]
+        retries = step_losses(logs["survivor"], "ft/retries")[FAULT_STEPS - 1]
         assert retries == {"between_steps": 0.0, "inside_the_all_reduce": 1.0}[when], (when, retries)
         reference = replay(tmp_path, corpus, schedule, tokens=bool(DATA[when]))
         assert_same_losses(reference, survivor)
@@ -446,9 +448,9 @@ def test_every_group_restarted_after_a_kill_during_a_save_resumes_exactly_the_fu
     straight = reference("single.yaml", f"--trainer.max_steps={FAULT_STEPS}").losses()  # one process, as long
     for log in logs:
         resumed = step_losses(log)
-        assert sorted(resumed) == list(range(8, 20)), resumed
+        assert sorted(resumed) == list(range(8, FAULT_STEPS)), resumed
         assert_same_losses({step: straight[step] for step in resumed}, resumed)
-        assert list(step_losses(log, "ft/committed_steps").values()) == [float(s) for s in range(9, 21)]
+        assert list(step_losses(log, "ft/committed_steps").values()) == [float(s) for s in range(9, FAULT_STEPS + 1)]
     copied = [set(step_losses(log, "ft/copied_steps").values()) for log in logs]
     assert copied == [{0.0}, {4.0}], copied  # group 1's checkpoint was 4 steps behind group 0's
     for rank in (0, 1):

@@ -101,14 +101,19 @@ def rank_zero_ended(launcher_pid: int) -> bool:
     return os.getppid() != launcher_pid
 
 
-def end_before_armed(subcommand: str, launcher_pid: int) -> NoReturn:
-    """Ctrl-C before CTRL_C is armed: nothing is running yet that would keep anything (no process group, no rank
-    launched, no file being written). Rank 0 says so; another rank (Lightning's launcher started it) waits for rank 0
-    to end first, as an interrupted rank does. Both end with 130 at once."""
+def said_interrupted_before(subcommand: str, launcher_pid: int) -> None:
+    """Ctrl-C before CTRL_C is armed: rank 0 says nothing was kept; another rank (Lightning's launcher started it)
+    waits for rank 0 to end first, as an interrupted rank does."""
     if global_rank():
         rank_zero_ended(launcher_pid)
     else:
         print(interrupted_before(subcommand), file=sys.stderr, flush=True)
+
+
+def end_before_armed(subcommand: str, launcher_pid: int) -> NoReturn:
+    """The SIGINT handler until CTRL_C is armed: nothing is running yet that would keep anything (no process group,
+    no rank launched, no file being written), so the process ends at once with 130 once it has said so."""
+    said_interrupted_before(subcommand, launcher_pid)
     sys.stdout.flush()
     _exit(128 + signal.SIGINT)
 
@@ -162,11 +167,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     except KeyboardInterrupt:
         if run is None or armed:  # a tool's, or Lightning's own handling let it through
             raise
-        # Ctrl-C before CTRL_C was armed (while Python loaded torch and Lightning), handled as CTRL_C would have.
-        if global_rank():
-            rank_zero_ended(launcher_pid)
-        else:
-            print(interrupted_before(run), file=sys.stderr, flush=True)
+        # A KeyboardInterrupt before CTRL_C was armed, with no handler of ours (main called off the main thread).
+        said_interrupted_before(run, launcher_pid)
         sys.exit(interrupted)
     except SystemExit as stop:
         if stop.code == interrupted and global_rank():
