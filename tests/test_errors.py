@@ -274,6 +274,10 @@ BEFORE_LAUNCH: dict[str, tuple[Callable[[Path], subprocess.CompletedProcess], li
         misspelt("hybrid.yaml", "max_steps", "max_step"),
         ["trainer.max_step is not an option parallelkit's fit knows. Did you mean 'trainer.max_steps'?"],
     ),
+    "a trainer option misspelt on validate's command line": (  # argparse's lower-case "unrecognized arguments"
+        lambda tmp: parallelkit("validate", "--config", HYBRID, "--trainer.max_stepz=4", cwd=tmp, timeout=120),
+        ["trainer.max_stepz is not an option parallelkit's validate knows. Did you mean 'trainer.max_steps'?"],
+    ),
     "a model option misspelt on the command line": (
         fit_config("single.yaml", "--model.init_args.n_heads=4"),
         ["model.init_args.n_heads is not an option of parallelkit.models.GPT", "Did you mean 'n_head'?"],
