@@ -287,16 +287,22 @@ def test_mesh_without_replicate_axis_is_refused_with_a_fix(tmp_path):
     assert "needs a 'replicate' axis" in proc.stderr and '[[2], ["replicate"]]' in proc.stderr
 
 
+LIST_PLUGINS = (
+    "import contextlib\nfrom parallelkit.cli import main\n"
+    "with contextlib.suppress(SystemExit):\n    main(['plugins'])\n"
+)
+"""`parallelkit plugins` run by a script that already imported parallelkit (one fresh interpreter per install state)."""
+
+
 def test_registered_by_name_and_listed_with_its_distribution(tmp_path):
     code = (
         "import lightning as L, parallelkit\n"
         "t = L.Trainer(strategy='diloco', accelerator='cpu', devices=2, logger=False)\n"
         "print(type(t.strategy).__name__, t.strategy.mesh_spec, t.strategy.sync_every)\n"
     )
-    proc = ok(run(sys.executable, "-c", code, cwd=tmp_path))
-    assert 'DiLoCoStrategy [[2, 1, 1], ["replicate", "fsdp", "tp"]] 8' in proc.stdout
-    listing = ok(run(sys.executable, "-m", "parallelkit.cli", "plugins", cwd=tmp_path)).stdout
-    assert any("diloco" in line and "parallelkit-diloco 0.1.0" in line for line in listing.splitlines())
+    out = ok(run(sys.executable, "-c", code + LIST_PLUGINS, cwd=tmp_path)).stdout
+    assert 'DiLoCoStrategy [[2, 1, 1], ["replicate", "fsdp", "tp"]] 8' in out
+    assert any("diloco" in line and "parallelkit-diloco 0.1.0" in line for line in out.splitlines())
 
 
 def test_uninstalling_removes_the_strategy_and_reinstalling_brings_it_back(tmp_path):
@@ -305,10 +311,9 @@ def test_uninstalling_removes_the_strategy_and_reinstalling_brings_it_back(tmp_p
     code = "import lightning as L, parallelkit\nL.Trainer(strategy='diloco', accelerator='cpu', devices=2)\n"
     ok(run(*pip, "uninstall", "-y", "parallelkit-diloco", cwd=tmp_path))
     try:
-        gone = run(sys.executable, "-c", code, cwd=tmp_path)
-        listing = ok(run(sys.executable, "-m", "parallelkit.cli", "plugins", cwd=tmp_path)).stdout
+        listing = run(sys.executable, "-c", LIST_PLUGINS + code, cwd=tmp_path)  # lists, then fails on the name
     finally:
         ok(run(*pip, "install", "--no-deps", "--no-build-isolation", "-e", str(PLUGIN), cwd=tmp_path))
-    assert gone.returncode != 0 and "invalid strategy name: `strategy='diloco'`" in gone.stderr
-    assert "diloco" not in listing
+    assert listing.returncode != 0 and "invalid strategy name: `strategy='diloco'`" in listing.stderr
+    assert "fsdp_tp" in listing.stdout and "diloco" not in listing.stdout
     ok(run(sys.executable, "-c", code, cwd=tmp_path))
