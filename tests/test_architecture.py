@@ -3,6 +3,8 @@
 import ast
 from pathlib import Path
 
+import pytest
+
 PACKAGE = Path(__file__).resolve().parents[1] / "src" / "parallelkit"
 
 
@@ -93,15 +95,17 @@ def test_the_contract_imports_nothing_of_ours_and_the_parallel_code_no_lora_or_s
         assert not wrong, f"{name} imports {wrong}: a technique knows the contract, not models, LoRA or strategies"
 
 
-def test_importing_the_contract_loads_no_lightning_and_the_root_hands_its_names_on_when_used():
-    """A fresh interpreter (the question is what an import loads): `import parallelkit.contract` loads neither
-    Lightning nor anything that imports it (torchmetrics), nor any strategy; the root's names come when asked for;
-    `parallelkit env`, a tool that needs no Lightning, runs without loading it (the CLI imports a tool when run)."""
+@pytest.fixture(scope="module")
+def fresh_imports() -> list[str]:
+    """What a fresh interpreter prints as it imports (the question is what an import loads), line by line: after
+    `import parallelkit.contract`, after `import parallelkit` and a use of a root name, after `parallelkit env`, and
+    after importing one room of each of the adapters and optimizers packages."""
     import subprocess
     import sys
 
     from support import subprocess_env
 
+    rooms = "sorted(m for m in sys.modules if m.startswith(('parallelkit.adapters.', 'parallelkit.optimizers.')))"
     code = (
         "import sys, parallelkit.contract\n"
         "heavy = ('lightning', 'pytorch_lightning', 'torchmetrics', 'parallelkit.strategies', 'parallelkit.cli')\n"
@@ -114,11 +118,21 @@ def test_importing_the_contract_loads_no_lightning_and_the_root_hands_its_names_
         "except SystemExit:\n"
         "    pass\n"
         "print('lightning' in sys.modules)\n"
+        f"print({rooms})\n"
+        "import parallelkit.adapters.nf4, parallelkit.optimizers.grad_norm\n"
+        f"print({rooms})\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env())
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = proc.stdout.split("\n")
-    assert lines[:2] == ["[]", "parallelkit.mesh False"] and lines[-2] == "False", proc.stdout  # env: no Lightning
+    return proc.stdout.splitlines()
+
+
+def test_importing_the_contract_loads_no_lightning_and_the_root_hands_its_names_on_when_used(fresh_imports):
+    """`import parallelkit.contract` loads neither Lightning nor anything that imports it (torchmetrics), nor any
+    strategy; the root's names come when asked for; `parallelkit env`, a tool that needs no Lightning, runs without
+    loading it (the CLI imports a tool when run)."""
+    lines = fresh_imports
+    assert lines[:2] == ["[]", "parallelkit.mesh False"] and lines[-3] == "False", lines  # env: no Lightning
 
 
 def calls(path: Path, function: str) -> int:
@@ -160,15 +174,11 @@ MOVED = {
 }
 
 
-def test_the_rooms_that_moved_into_adapters_and_optimizers_keep_their_old_import_paths():
+def test_the_rooms_that_moved_into_adapters_and_optimizers_keep_their_old_import_paths(fresh_imports):
     """An old path is the new module itself (the same object: what a user patched or imported from either is one
     thing), the packages' doors hand on their public names without loading the other rooms, and the old modules hold
     nothing of their own (no circle through them, no second copy of a name)."""
     import importlib
-    import subprocess
-    import sys
-
-    from support import subprocess_env
 
     for old, new in MOVED.items():
         assert importlib.import_module(old) is importlib.import_module(new), old
@@ -179,7 +189,7 @@ def test_the_rooms_that_moved_into_adapters_and_optimizers_keep_their_old_import
     from parallelkit.muon import Muon
 
     assert adapters.LoRA is LoRA and optimizers.Muon is Muon is parallelkit.Muon
-    code = "import sys, parallelkit.adapters.nf4, parallelkit.optimizers.grad_norm\nprint(sorted(m for m in sys.modules"
-    code += " if m.startswith(('parallelkit.adapters.', 'parallelkit.optimizers.'))))"
-    loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=subprocess_env())
-    assert loaded.stdout.split() == ["['parallelkit.adapters.nf4',", "'parallelkit.optimizers.grad_norm']"], loaded
+    # In a fresh interpreter (after the root, the CLI and `env`, which load none of them): one room each, alone.
+    assert fresh_imports[-2:] == ["[]", "['parallelkit.adapters.nf4', 'parallelkit.optimizers.grad_norm']"], (
+        fresh_imports
+    )

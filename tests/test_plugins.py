@@ -23,9 +23,20 @@ class GoodStrategy(DDPStrategy):
 """
 
 
-@pytest.fixture
-def site(tmp_path: Path) -> Path:
-    site = tmp_path / "site"
+FUTURE = """
+from lightning.pytorch.strategies import DDPStrategy
+
+class FutureStrategy(DDPStrategy):
+    '''Written against a plugin API this parallelkit does not have yet.'''
+    plugin_api = 99
+"""
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A site directory as pip leaves it, with three third-party plugins: one broken at import, one good (whose
+    second name clashes with Lightning's `ddp`), one written for a plugin API from the future."""
+    site = tmp_path_factory.mktemp("plugins") / "site"
     install_fake_distribution(
         site,
         "parallelkit-broken",
@@ -40,12 +51,16 @@ def site(tmp_path: Path) -> Path:
         GOOD,
         "[parallelkit.strategies]\ngood = pk_good:GoodStrategy\nddp = pk_good:GoodStrategy\n",
     )
+    install_fake_distribution(
+        site, "parallelkit-future", "pk_future", FUTURE, "[parallelkit.strategies]\nfuture = pk_future:FutureStrategy\n"
+    )
     return site
 
 
-def test_broken_plugin_warns_with_its_distribution_and_others_still_register(site: Path):
-    """Imported first, parallelkit loads no plugin (nor Lightning); the first Trainer loads and registers them all:
-    the broken one and the clash are warnings naming the distribution, the good one is built by name."""
+@pytest.fixture(scope="module")
+def first_trainers(site: Path) -> str:
+    """What a fresh interpreter with `site` on its path prints: which plugins `import parallelkit` loaded, the
+    warnings of the first Trainer (which loads and registers them all), and the strategies built by name."""
     code = (
         "import sys, warnings\n"
         "warnings.simplefilter('always')\n"
@@ -56,13 +71,27 @@ def test_broken_plugin_warns_with_its_distribution_and_others_still_register(sit
         "    trainer = L.Trainer(strategy='good', accelerator='cpu', devices=1, logger=False)\n"
         "for w in caught: print('WARNING', w.message)\n"
         "print('STRATEGY', type(trainer.strategy).__name__)\n"
+        "trainer = L.Trainer(strategy='future', accelerator='cpu', devices=1, logger=False)\n"
+        "print('STRATEGY', type(trainer.strategy).__name__)\n"
     )
     proc = run([sys.executable, "-c", code], cwd=site.parent, PYTHONPATH=str(site))
     assert_ok(proc)
-    assert "LOADED AT IMPORT []" in proc.stdout
-    assert "parallelkit-broken 0.3 failed to load" in proc.stdout and "boom at import" in proc.stdout
-    assert "'ddp' from parallelkit-good 0.3 is skipped" in proc.stdout  # clashes with Lightning's own ddp
-    assert "STRATEGY GoodStrategy" in proc.stdout
+    return proc.stdout
+
+
+def test_broken_plugin_warns_with_its_distribution_and_others_still_register(first_trainers: str):
+    """Imported first, parallelkit loads no plugin (nor Lightning); the first Trainer loads and registers them all:
+    the broken one and the clash are warnings naming the distribution, the good one is built by name."""
+    assert "LOADED AT IMPORT []" in first_trainers
+    assert "parallelkit-broken 0.3 failed to load" in first_trainers and "boom at import" in first_trainers
+    assert "'ddp' from parallelkit-good 0.3 is skipped" in first_trainers  # clashes with Lightning's own ddp
+    assert "STRATEGY GoodStrategy" in first_trainers
+
+
+def test_plugin_for_another_api_version_warns_with_both_versions_and_still_registers(first_trainers: str):
+    assert "'future' from parallelkit-future 0.3 was written for parallelkit plugin API 99" in first_trainers
+    assert "provides plugin API 1" in first_trainers and "upgrade parallelkit" in first_trainers
+    assert "STRATEGY FutureStrategy" in first_trainers
 
 
 def test_plugins_command_lists_good_and_broken_plugins(site: Path):
@@ -90,37 +119,6 @@ def test_registering_twice_is_harmless():
 
     register_strategies()
     register_strategies()
-
-
-FUTURE = """
-from lightning.pytorch.strategies import DDPStrategy
-
-class FutureStrategy(DDPStrategy):
-    '''Written against a plugin API this parallelkit does not have yet.'''
-    plugin_api = 99
-"""
-
-
-def test_plugin_for_another_api_version_warns_with_both_versions_and_still_registers(tmp_path: Path):
-    site = tmp_path / "site"
-    install_fake_distribution(
-        site, "parallelkit-future", "pk_future", FUTURE, "[parallelkit.strategies]\nfuture = pk_future:FutureStrategy\n"
-    )
-    code = (
-        "import warnings\n"
-        "warnings.simplefilter('always')\n"
-        "import parallelkit\n"
-        "import lightning as L\n"
-        "with warnings.catch_warnings(record=True) as caught:\n"
-        "    trainer = L.Trainer(strategy='future', accelerator='cpu', devices=1)\n"
-        "for w in caught: print('WARNING', w.message)\n"
-        "print('STRATEGY', type(trainer).__name__)\n"
-    )
-    proc = run([sys.executable, "-c", code], cwd=tmp_path, PYTHONPATH=str(site))
-    assert_ok(proc)
-    assert "'future' from parallelkit-future 0.3 was written for parallelkit plugin API 99" in proc.stdout
-    assert "provides plugin API 1" in proc.stdout and "upgrade parallelkit" in proc.stdout
-    assert "STRATEGY Trainer" in proc.stdout
 
 
 def test_the_core_never_imports_a_plugin():

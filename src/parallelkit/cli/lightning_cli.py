@@ -51,6 +51,7 @@ class ParallelkitCLI(LightningCLI):
             **kwargs,
         )
 
+    @override
     def subcommands(self) -> dict[str, set[str]]:
         """The subcommand the command line names, or all four when it names none (`parallelkit --help`).
 
