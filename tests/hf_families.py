@@ -48,7 +48,7 @@ SIZES = {
     "v_head_dim": 16,
     "n_group": 1,
     "topk_group": 1,
-    # State-space (Mamba-2) layers: their chunked scan pads a sequence to a whole chunk, 256 tokens by default.
+    # State-space (Mamba-2) layers: their chunked scan pads a sequence to a whole chunk (falcon_h1: 256 tokens).
     **dict.fromkeys(("mamba_d_ssm", "mamba_n_heads", "mamba_num_heads"), 8),
     **dict.fromkeys(("mamba_d_state", "ssm_state_size", "mamba_chunk_size", "chunk_size"), 16),
     "mamba_head_dim": 8,
