@@ -251,6 +251,7 @@ def parse_error(message: str, parser: Any, args: Sequence[str]) -> ConfigError:
     """jsonargparse's parse error as one paragraph: the key it does not know, the closest it does and the fix, or
     its own message on one line."""
     lines = [line.strip() for line in message.splitlines() if line.strip()]
+    run = args[0] if args and not args[0].startswith("-") else "fit"  # the subcommand whose --help to point at
     unknown = re.search(r"does not accept options? '([^']+)'", message) or re.search(
         r"unrecognized arguments: (--)?([\w.]+)", message, re.IGNORECASE
     )
@@ -280,11 +281,10 @@ def parse_error(message: str, parser: Any, args: Sequence[str]) -> ConfigError:
         siblings = [k for k in known if k.rpartition(".")[0] == section] or known
         close = difflib.get_close_matches(key, siblings, n=1)
         return ConfigError(
-            f"{key} is not an option parallelkit's {args[0] if args else 'fit'} knows."
+            f"{key} is not an option parallelkit's {run} knows."
             f"{f' Did you mean {close[0]!r}?' if close else ''} Fix: rename the key in the config or on the command "
-            f"line (`parallelkit {args[0] if args else 'fit'} --help` lists the options)."
+            f"line (`parallelkit {run} --help` lists the options)."
         )
-    run = args[0] if args and not args[0].startswith("-") else "fit"
     return ConfigError(f"{' '.join(lines)} Fix: `parallelkit {run} --help` lists the options and their types.")
 
 
