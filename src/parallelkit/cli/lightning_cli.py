@@ -16,6 +16,7 @@ from pathlib import Path
 from types import MethodType
 from typing import Any
 
+import yaml
 from lightning.pytorch.cli import LightningCLI
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -90,6 +91,20 @@ class ParallelkitCLI(LightningCLI):
 
         update_wrapper(rebound, configure)  # Lightning's is_overridden() reads the wrapped function
         self.model.configure_optimizers = MethodType(rebound, self.model)
+
+    @override
+    def _dump_config(self) -> None:
+        """The config as plain data, from which Lightning takes the model's and datamodule's hyperparameters: as
+        LightningCLI dumps it, less its second validation of what `parse_arguments` has just validated, a sixth of
+        the parse that every rank of every run makes (Lightning's launcher re-runs the command line per rank)."""
+        if hasattr(self, "config_dump"):
+            return
+        dumped = self.parser.dump(
+            self.config, skip_link_targets=False, skip_unset=False, skip_validation=True, format="yaml"
+        )
+        self.config_dump = yaml.safe_load(dumped)
+        if "subcommand" in self.config:
+            self.config_dump = self.config_dump[self.config.subcommand]
 
     @override
     def instantiate_classes(self) -> None:

@@ -161,6 +161,7 @@ __all__ = [
 OVERRIDDEN = {
     "lightning.pytorch.strategies.Strategy._configure_launcher": "(self)",
     "lightning.pytorch.cli.LightningCLI._add_configure_optimizers_method_to_model": "(self, subcommand)",
+    "lightning.pytorch.cli.LightningCLI._dump_config": "(self)",
     "lightning.pytorch.callbacks.RichProgressBar._get_train_description": "(self, current_epoch)",
     "lightning.pytorch.strategies.DDPStrategy._register_ddp_hooks": "(self)",
     "torch.distributed.pipelining.stage._PipelineStageBase.perform_reduce_grad": "(self, grad_scale_factor)",
