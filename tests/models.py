@@ -1,8 +1,10 @@
 """Test-only models and callbacks, importable by class_path from CLI runs (support.py puts tests/ on PYTHONPATH)."""
 
+import atexit
 import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
@@ -327,6 +329,27 @@ class StateBytes(L.Callback):
         os.makedirs(self.out_dir, exist_ok=True)
         with open(os.path.join(self.out_dir, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump(parts, f)
+
+
+class ExitMarks(L.Callback):
+    """At fit end, makes this rank write `atexit-rank<r>` under `out_dir` from an atexit handler, and
+    `finalized-rank<r>` from an audit hook when the interpreter's finalisation clears it (Python raises
+    "cpython._PySys_ClearAuditHooks" and "cpython.PyInterpreterState_Clear" there, and nowhere else)."""
+
+    def __init__(self, out_dir: str) -> None:
+        self.out_dir = out_dir
+
+    def on_train_end(self, trainer, pl_module):
+        os.makedirs(self.out_dir, exist_ok=True)
+        marks = os.path.join(self.out_dir, "{}-rank" + str(trainer.global_rank))
+        atexit.register(Path(marks.format("atexit")).touch)
+        finalized, flags = marks.format("finalized"), os.O_CREAT | os.O_WRONLY
+
+        def hook(event, args, open=os.open, close=os.close):  # bound now: module globals are gone by then
+            if event in ("cpython._PySys_ClearAuditHooks", "cpython.PyInterpreterState_Clear"):
+                close(open(finalized, flags))
+
+        sys.addaudithook(hook)
 
 
 class FirstGradients(L.Callback):

@@ -2,6 +2,7 @@
 versions, and none used outside `parallelkit.compat`. An upgrade that moves one fails here, naming it."""
 
 import ast
+import atexit
 import importlib
 import inspect
 import io
@@ -21,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from parallelkit import compat
 
 CALLABLES = {
+    "threading._shutdown": "()",
     "lightning.fabric.utilities.distributed._destroy_dist_connection": "()",
     "lightning.pytorch.strategies.ModelParallelStrategy._setup_distributed": "(self)",
     "lightning.pytorch.loops.fit_loop._FitLoop._should_accumulate": "(self)",
@@ -56,6 +58,7 @@ def test_private_attributes_exist_on_the_objects_that_hold_them():
     assert trainer._signal_connector.received_sigterm is False  # compat.note_sigterm
     assert ModelCheckpoint()._last_global_step_saved == 0  # compat.last_step_saved
     assert callable(trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor)  # compat.skip_sigterm_broadcast
+    assert callable(atexit._run_exitfuncs)  # compat.exit_without_finalizing (a builtin: no signature to compare)
     strategy = ModelParallelStrategy(save_distributed_checkpoint=False)
     assert strategy._device_mesh is None  # compat.set_device_mesh
     assert strategy._save_distributed_checkpoint is False  # compat.saves_distributed_checkpoint

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from parallelkit.cli.config import read_config
-from parallelkit.compat import quiet_known_noise
+from parallelkit.compat import exit_without_finalizing, quiet_known_noise
 from parallelkit.errors import ParallelkitError
 
 TOOLS_HELP = """\
@@ -101,6 +101,17 @@ def rank_zero_ended(launcher_pid: int) -> bool:
     return os.getppid() != launcher_pid
 
 
+def end_finished_run() -> None:
+    """A run that finished in a process of a distributed job ends here, with exit status 0, after the atexit handlers
+    (process groups destroyed, loggers closed) and without the interpreter's finalisation, where gloo's worker threads
+    can abort it ("terminate called without an active exception": `compat.exit_without_finalizing`) and torchrun or
+    SLURM then report a job that trained and saved everything as failed. A run in one process without a process
+    group returns as usual."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        exit_without_finalizing(0)
+
+
 def said_interrupted_before(subcommand: str, launcher_pid: int) -> None:
     """Ctrl-C before CTRL_C is armed: rank 0 says nothing was kept; another rank (Lightning's launcher started it)
     waits for rank 0 to end first, as an interrupted rank does."""
@@ -164,6 +175,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         plugins.activate()  # strategies registered and known noise quieted before any model is built
         # Lightning re-runs sys.argv for ranks 1..N-1, so the arguments must come from there unchanged.
         ParallelkitCLI(args=None if argv is None else args)
+        if argv is None and run is not None:
+            end_finished_run()
     except KeyboardInterrupt:
         if run is None or armed:  # a tool's, or Lightning's own handling let it through
             raise
@@ -194,5 +207,6 @@ def main(argv: Sequence[str] | None = None) -> None:
             # Interpreter shutdown's last garbage collection walks every object torch and Lightning created (about
             # a second of CPU per process, so ~3 s of a 4-process job on 2 cores) to free the few reference cycles
             # left, memory the exiting process returns anyway. It skips frozen objects; the rest of shutdown runs
-            # as usual (atexit handlers, files closed, process groups destroyed).
+            # as usual (atexit handlers, files closed, process groups destroyed). A distributed run that finished
+            # has ended before this, without shutdown's finalisation (`end_finished_run`).
             gc.freeze()

@@ -1,4 +1,4 @@
-"""Every private Lightning, torch and transformers name parallelkit uses, reached through this package only.
+"""Every private Lightning, torch, transformers and Python name parallelkit uses, reached through this package only.
 
 parallelkit hooks into internals that Lightning and torch do not promise to keep. Each use goes through one
 function here, so an upgrade that renames or removes one fails in this package; `tests/test_compat.py` lists every
@@ -7,12 +7,14 @@ for a private name of its own. Overrides of private methods are listed in `OVERR
 
 One module per library reached into: `lightning` (its strategies, loops, callbacks and CLI parser), `torch` (process
 groups, meshes, modules, autograd, tensors, DCP metadata), `transformers` (a model's plans, saved-name conversions
-and initialisation), and `noise` (the known-harmless warnings and log lines, silenced precisely). Other modules
-import every name from here, `parallelkit.compat`.
+and initialisation), `interpreter` (Python's exit steps, taken without its finalisation) and `noise` (the
+known-harmless warnings and log lines, silenced precisely). Other modules import every name from here,
+`parallelkit.compat`.
 """
 
 from __future__ import annotations
 
+from parallelkit.compat.interpreter import exit_without_finalizing
 from parallelkit.compat.lightning import (
     attached_trainer,
     before_training_state_restored,
@@ -96,6 +98,7 @@ __all__ = [
     "composable_checkpoint",
     "dcp_metadata_global",
     "destroy_process_groups_at_exit",
+    "exit_without_finalizing",
     "dispatch_mode_class",
     "fake_process_group",
     "flash_attention_on_cpu",
