@@ -58,7 +58,7 @@ def test_private_attributes_exist_on_the_objects_that_hold_them():
     assert trainer._signal_connector.received_sigterm is False  # compat.note_sigterm
     assert ModelCheckpoint()._last_global_step_saved == 0  # compat.last_step_saved
     assert callable(trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor)  # compat.skip_sigterm_broadcast
-    assert callable(atexit._run_exitfuncs)  # compat.exit_without_finalizing (a builtin: no signature to compare)
+    assert callable(atexit._run_exitfuncs)  # compat.exit_without_finalising (a builtin: no signature to compare)
     strategy = ModelParallelStrategy(save_distributed_checkpoint=False)
     assert strategy._device_mesh is None  # compat.set_device_mesh
     assert strategy._save_distributed_checkpoint is False  # compat.saves_distributed_checkpoint

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import NoReturn
 
 from parallelkit.cli.config import read_config
-from parallelkit.compat import exit_without_finalizing, quiet_known_noise
+from parallelkit.compat import exit_without_finalising, quiet_known_noise
 from parallelkit.errors import ParallelkitError
 
 TOOLS_HELP = """\
@@ -104,12 +104,12 @@ def rank_zero_ended(launcher_pid: int) -> bool:
 def end_finished_run() -> None:
     """A run that finished in a process of a distributed job ends here, with exit status 0, after the atexit handlers
     (process groups destroyed, loggers closed) and without the interpreter's finalisation, where gloo's worker threads
-    can abort it ("terminate called without an active exception": `compat.exit_without_finalizing`) and torchrun or
+    can abort it ("terminate called without an active exception": `compat.exit_without_finalising`) and torchrun or
     SLURM then report a job that trained and saved everything as failed. A run in one process without a process
     group returns as usual."""
     torch = sys.modules.get("torch")
     if torch is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        exit_without_finalizing(0)
+        exit_without_finalising(0)
 
 
 def said_interrupted_before(subcommand: str, launcher_pid: int) -> None:

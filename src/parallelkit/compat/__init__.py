@@ -14,7 +14,7 @@ known-harmless warnings and log lines, silenced precisely). Other modules import
 
 from __future__ import annotations
 
-from parallelkit.compat.interpreter import exit_without_finalizing
+from parallelkit.compat.interpreter import exit_without_finalising
 from parallelkit.compat.lightning import (
     attached_trainer,
     before_training_state_restored,
@@ -98,8 +98,8 @@ __all__ = [
     "composable_checkpoint",
     "dcp_metadata_global",
     "destroy_process_groups_at_exit",
-    "exit_without_finalizing",
     "dispatch_mode_class",
+    "exit_without_finalising",
     "fake_process_group",
     "flash_attention_on_cpu",
     "flatten_mesh",
