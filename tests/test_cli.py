@@ -185,6 +185,6 @@ def test_a_finished_distributed_run_ends_each_rank_after_its_atexit_handlers_wit
     atexit handlers (where process groups are destroyed and loggers closed) and then ended without the interpreter's
     finalisation, where gloo's worker threads can abort a run that trained and saved everything ("terminate called
     without an active exception", exit -6: once in a full run of the suite, torchrun's relaunch of the checkpoints
-    guide). `models.ExitMarks` writes a mark from an atexit handler and one from an object only finalisation frees."""
+    guide). `models.ExitMarks` writes a mark from an atexit handler and one from an audit hook finalisation calls."""
     marks = sorted(p.name for p in (ddp_fp32 / "exit").iterdir())
     assert marks == ["atexit-rank0", "atexit-rank1"], marks

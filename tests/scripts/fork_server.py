@@ -24,7 +24,6 @@ Forking is safe because this process never computes: torch's thread pools have n
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
@@ -32,7 +31,6 @@ import runpy
 import select
 import signal
 import sys
-import threading
 import traceback
 from pathlib import Path
 
@@ -46,6 +44,7 @@ import parallelkit.cli.lightning_cli  # noqa: F401 - `fit` and the rest: Lightni
 import parallelkit.data  # noqa: F401
 import parallelkit.models.hf  # noqa: F401
 import parallelkit.strategies  # noqa: F401
+from parallelkit.compat import exit_without_finalising
 
 
 def serve() -> None:
@@ -238,13 +237,9 @@ def run_rank(request: dict, env: dict[str, str], cwd: str, outputs: tuple[int, i
         code = 1
     # What the interpreter does as it exits (non-daemon threads joined, atexit handlers run, output flushed), then
     # out: the rest of its finalization, tearing down every module torch and Lightning loaded, takes a few tenths of
-    # a second of each rank of each job and writes nothing.
-    threading._shutdown()
-    atexit._run_exitfuncs()
-    for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):
-            stream.flush()
-    os._exit(code)
+    # a second of each rank of each job and writes nothing. A finished distributed `parallelkit` run has ended this
+    # way already, inside `cli.main` (`cli.end_finished_run`), as it does launched for real.
+    exit_without_finalising(code)
 
 
 if __name__ == "__main__":
