@@ -176,9 +176,9 @@ def fsdp4_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
 def ddp_fp32(tmp_path_factory: pytest.TempPathFactory, corpus: Path) -> Path:
     """configs/ddp.yaml (2 processes) under parallelkit's DDPStrategy (the `ddp_comm` preset's class) with the fp32
     hook (its default) and profile_communication, `STEPS` steps: its CSV log directory. One launch for test_comm.py's
-    DDP hook test, the uninterrupted run test_checkpoint.py's ddp_comm SIGTERM test compares with, and how the ranks
-    of a finished real launch end (test_cli.py, `models.ExitMarks` under `exit/`). Launched through
-    `python -m parallelkit.cli` and Lightning's own launcher: the production path, once for DDP (tests/README.md)."""
+    DDP hook test and how the ranks of a finished real launch end (test_cli.py, `models.ExitMarks` under `exit/`).
+    Launched through `python -m parallelkit.cli` and Lightning's own launcher: the production path, once for DDP
+    (tests/README.md)."""
     ddp = [
         "--trainer.strategy=parallelkit.DDPStrategy",
         "--trainer.strategy.comm_precision=fp32",

@@ -19,6 +19,7 @@ from snippets import commands
 from support import (
     REPO,
     RESUME_AT,
+    ROOM,
     STEPS,
     assert_ok,
     assert_same_losses,
@@ -94,9 +95,9 @@ def test_2x2_checkpoint_loads_in_another_layout_with_the_same_next_losses(
 
 
 def test_consolidated_weights_are_the_saving_runs_weights(tmp_path, corpus, saved):
-    """The plain model with the consolidated step-5 weights computes the loss the [[2, 2]] run logged at step 5 (its
-    forward with exactly those weights), on the same global batch: a tensor DCP left unfilled (consolidate starts
-    from torch.empty) or a shard put in the wrong place changes it."""
+    """The plain model with the consolidated weights of the step-`RESUME_AT` checkpoint computes the loss the [[2, 2]]
+    run logged at that step (its forward with exactly those weights), on the same global batch: a tensor DCP left
+    unfilled (consolidate starts from torch.empty) or a shard put in the wrong place changes it."""
     losses, ckpt = saved
     out = tmp_path / "weights.pt"
     assert_ok(parallelkit("consolidate", str(ckpt), str(out), cwd=tmp_path))
@@ -215,7 +216,7 @@ def test_sharded_checkpoint_with_a_single_device_strategy_says_how_to_load_it(tm
 
 @pytest.fixture(scope="module")
 def resumed_2x2(tmp_path_factory, corpus, saved):
-    """The shared [[2, 2]] run resumed from its step-5 checkpoint, to the end (step 9), with `--ckpt_path=last`
+    """The shared [[2, 2]] run resumed from its step-`RESUME_AT` checkpoint, to its end, with `--ckpt_path=last`
     next to what a process killed mid-save leaves behind: the checkpoint under the name `last.ckpt`, and shards under
     the staging name `last.ckpt.partial`, newer than it. One launch for the two tests below (the resume-mid-epoch
     one and the cut-short-save one each launched it before): the resumed steps' losses."""
@@ -235,7 +236,7 @@ def resumed_2x2(tmp_path_factory, corpus, saved):
 def test_a_save_cut_short_is_ignored_and_last_resumes_from_the_complete_one(saved, resumed_2x2):
     """`--ckpt_path=last` next to what a process killed mid-save leaves behind (shards under the staging name
     `last.ckpt.partial`, newer than `last.ckpt`) resumes from the complete `last.ckpt`: here the shared [[2, 2]]
-    run's step-5 checkpoint under that name."""
+    run's step-`RESUME_AT` checkpoint under that name."""
     resumed = resumed_2x2
     assert sorted(resumed) == list(range(RESUME_AT, STEPS))  # from the complete checkpoint's step on
     assert_same_losses({step: saved[0][step] for step in resumed}, resumed)
@@ -267,13 +268,14 @@ class RealLaunch:
 def training_in_background(
     tmp_path, corpus, save_dir, *overrides: str, until: Path, config: str = "hybrid.yaml", real_launch: bool = False
 ):
-    """A run of configs/<config> (4-process hybrid by default), forked (`support.launch`: `Job`) or, `real_launch`,
-    through `python -m parallelkit.cli` (`RealLaunch`), yielded once `until` exists; killed whole if left running."""
+    """A `ROOM`-step run of configs/<config> (4-process hybrid by default), forked (`support.launch`: `Job`) or,
+    `real_launch`, through `python -m parallelkit.cli` (`RealLaunch`), yielded once `until` exists; killed whole if
+    left running."""
     args = [
         "fit",
         "--config",
         str(REPO / "configs" / config),
-        *common(corpus, tmp_path / "cache"),
+        *common(corpus, tmp_path / "cache", steps=ROOM),
         f"--trainer.logger.init_args.save_dir={save_dir}",
         "--trainer.enable_progress_bar=false",
         *overrides,
@@ -325,6 +327,14 @@ def straight_fsdp2(reference):
     [[2, 2]]; a 2-process launch costs about half of a 4-process one on the CI's 2 cores. Its first `STEPS` steps
     are those of a shorter run (the LR schedule's warmup is 10 steps)."""
     return reference("hybrid.yaml", *FSDP2, f"--trainer.max_steps={FAULT_STEPS}").losses()
+
+
+@pytest.fixture(scope="module")
+def straight_one(reference):
+    """One process, `FAULT_STEPS` long (test_replica_groups.py's too): what the relaunches of the layouts a signal
+    stops (DDP, a pipeline, tp) continue, at 1e-5 as each layout equals one process. Its first `ROOM` steps are
+    those of a run that long (the LR schedule's warmup is 10 steps)."""
+    return reference("single.yaml", f"--trainer.max_steps={FAULT_STEPS}").losses()
 
 
 KILLED_RANK_BOUND_S = 20.0
@@ -439,7 +449,7 @@ def test_a_kill_between_checkpointing_a_step_and_logging_it_loses_no_logged_step
         '--trainer.callbacks+={"class_path": "lightning.pytorch.callbacks.ModelCheckpoint", "init_args": '
         f'{{"dirpath": "{ckpt}", "every_n_train_steps": 3, "save_last": true}}}}'
     )
-    common_args = (*common(corpus, tmp_path / "cache"), *FSDP2, keep_one)
+    common_args = (*common(corpus, tmp_path / "cache", steps=ROOM), *FSDP2, keep_one)
     proc = fit("hybrid.yaml", tmp_path / "first", *common_args, callback("models.DieBeforeLogging", step=6))
     assert proc.returncode != 0
     first = step_losses(tmp_path / "first")
@@ -448,7 +458,7 @@ def test_a_kill_between_checkpointing_a_step_and_logging_it_loses_no_logged_step
     assert sorted(p.name for p in ckpt.iterdir()) == left
     assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *common_args, "--ckpt_path=last"))
     resumed = step_losses(tmp_path / "resumed")
-    assert min(resumed) == 3 and set(first) | set(resumed) == set(range(STEPS))
+    assert min(resumed) == 3 and set(first) | set(resumed) == set(range(ROOM))
     assert_same_losses({s: straight_fsdp2[s] for s in first}, first, rtol=1e-6)
     assert_same_losses({s: straight_fsdp2[s] for s in resumed}, resumed, rtol=1e-6)
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=9.ckpt", "last.ckpt"]
@@ -462,7 +472,7 @@ def test_sigterm_at_a_checkpointing_step_publishes_that_steps_checkpoint(tmp_pat
     ckpt = tmp_path / "ckpt"
     one = ["--trainer.devices=1", '--trainer.strategy.mesh_shape=[[1, 1], ["fsdp", "tp"]]']
     overrides = (*one, checkpoint_every(ckpt, 3), callback("models.SigtermAt", step=6))
-    assert_ok(fit("hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache"), *overrides))
+    assert_ok(fit("hybrid.yaml", tmp_path, *common(corpus, tmp_path / "cache", steps=ROOM), *overrides))
     assert max(step_losses(tmp_path)) == 5
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=0-step=3.ckpt", "epoch=0-step=6.ckpt", "last.ckpt"]
 
@@ -480,9 +490,9 @@ def test_sigterm_saves_last_and_exits_cleanly_and_the_relaunch_loses_nothing(tmp
     assert job.returncode == 0, job.stderr()[-3000:]
     assert (ckpt / "last.ckpt" / "meta.pt").is_file()
     stopped_at = max(step_losses(tmp_path / "first"))
-    assert stopped_at < STEPS - 1
+    assert stopped_at < ROOM - 1
     resume = [*FSDP2, "--ckpt_path=last", checkpoint_every(ckpt, 4)]
-    assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *common(corpus, tmp_path / "cache"), *resume))
+    assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *common(corpus, tmp_path / "cache", steps=ROOM), *resume))
     resumed = step_losses(tmp_path / "resumed")
     assert min(resumed) == stopped_at + 1  # the step after the last one trained: nothing lost, nothing repeated
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
@@ -506,7 +516,7 @@ def test_ctrl_c_says_what_was_saved_and_its_resume_command_continues_exactly(tmp
     assert "Traceback" not in stderr and "unwaited" not in stderr, stderr[-3000:]
     (said,) = [line for line in stderr.splitlines() if line.startswith("Interrupted at step ")]
     stopped_at = max(step_losses(logs))  # the last step logged
-    assert stopped_at < STEPS - 1
+    assert stopped_at < ROOM - 1
     assert said.startswith(f"Interrupted at step {stopped_at + 1}, which is saved: {ckpt / 'last.ckpt'};"), said
     assert torch.load(ckpt / "last.ckpt" / "meta.pt", weights_only=True)["global_step"] == stopped_at + 1
     command = shlex.split(said.partition("resume from it with: ")[2])
@@ -518,7 +528,7 @@ def test_ctrl_c_says_what_was_saved_and_its_resume_command_continues_exactly(tmp
     assert [p.name for p in (logs / "hybrid").iterdir()] == ["version_0"]
     with open(logs / "hybrid" / "version_0" / "metrics.csv", newline="") as file:
         logged = [int(row["step"]) for row in csv.DictReader(file) if row["train_loss"]]
-    assert logged == list(range(STEPS))  # the saving run's steps, then the resumed run's from the next one
+    assert logged == list(range(ROOM))  # the saving run's steps, then the resumed run's from the next one
     assert_same_losses({s: straight_fsdp2[s] for s in logged}, step_losses(logs), rtol=1e-6)
 
 
@@ -659,14 +669,12 @@ def test_the_progress_bar_of_a_resumed_run_counts_to_the_end_of_its_epoch():
     assert total(batches=500, max_steps=100, step=51, done=103, accumulate=2) == 200  # half-way through a step
 
 
-def test_sigterm_under_ddp_comm_saves_last_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus, ddp_fp32):
+def test_sigterm_under_ddp_comm_saves_last_exits_cleanly_and_the_relaunch_loses_nothing(tmp_path, corpus, straight_one):
     """parallelkit's DDPStrategy (Lightning's DDP with a comm hook) preempted as the sharded strategies are: rank 0
-    writes last.ckpt as a single file, every process exits 0, and the relaunch continues the uninterrupted run (the
-    session's `ddp_fp32`: the same strategy and hook, fp32 being ddp_comm's default, shared with test_comm.py).
-    Only rank 1 is signalled: the ranks must agree on the step to stop at (a rank that stops alone hangs the job,
-    which is what a signal reaching rank 0 a moment after rank 1 did)."""
+    writes last.ckpt as a single file, every process exits 0, and the relaunch continues with one process's losses
+    (fp32 being ddp_comm's default hook). Only rank 1 is signalled: the ranks must agree on the step to stop at (a
+    rank that stops alone hangs the job, which is what a signal reaching rank 0 a moment after rank 1 did)."""
     ddp_comm = "--trainer.strategy=ddp_comm"
-    straight = step_losses(ddp_fp32)
     ckpt = tmp_path / "ckpt"
     with training_in_background(
         tmp_path,
@@ -682,12 +690,12 @@ def test_sigterm_under_ddp_comm_saves_last_exits_cleanly_and_the_relaunch_loses_
     assert job.returncode == 0, job.stderr()[-3000:]
     assert (ckpt / "last.ckpt").is_file()
     stopped_at = max(step_losses(tmp_path / "first"))
-    assert stopped_at < STEPS - 1
-    resume = [ddp_comm, "--ckpt_path=last", checkpoint_every(ckpt, STEPS)]
-    assert_ok(fit("ddp.yaml", tmp_path / "resumed", *common(corpus, tmp_path / "cache"), *resume))
+    assert stopped_at < ROOM - 1
+    resume = [ddp_comm, "--ckpt_path=last", checkpoint_every(ckpt, ROOM)]
+    assert_ok(fit("ddp.yaml", tmp_path / "resumed", *common(corpus, tmp_path / "cache", steps=ROOM), *resume))
     resumed = step_losses(tmp_path / "resumed")
     assert min(resumed) == stopped_at + 1
-    assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
+    assert_same_losses({s: straight_one[s] for s in resumed}, resumed)
 
 
 TP2 = ["--trainer.devices=2", '--trainer.strategy.mesh_shape=[[1, 2], ["fsdp", "tp"]]', "--data.init_args.batch_size=8"]
@@ -703,12 +711,12 @@ TP2 = ["--trainer.devices=2", '--trainer.strategy.mesh_shape=[[1, 2], ["fsdp", "
     ids=["1f1b_pp2", "tp2"],
 )
 def test_sigterm_to_one_rank_of_a_pipeline_or_tp_job_saves_last_and_the_relaunch_loses_nothing(
-    tmp_path, corpus, baseline, config, layout
+    tmp_path, corpus, straight_one, config, layout
 ):
     """Every strategy is preempted alike (the README's claim): a 1F1B pp=2 job and a [[1, 2]] fsdp x tp job, SIGTERM
     to rank 1 only (the launcher is rank 0): the ranks agree on the step, save a complete sharded last.ckpt (its
     metadata, one shard file per rank, nothing left staged), exit 0, and the relaunch continues with one process's
-    losses (the session's plain baseline, which both layouts match), a few steps being enough to tell."""
+    losses, a few steps being enough to tell."""
     ckpt = tmp_path / "ckpt"
     with training_in_background(
         tmp_path,
@@ -726,14 +734,13 @@ def test_sigterm_to_one_rank_of_a_pipeline_or_tp_job_saves_last_and_the_relaunch
     assert (last / "meta.pt").is_file() and (last / ".metadata").is_file(), sorted(p.name for p in last.iterdir())
     assert len(list(last.glob("*.distcp"))) == 2 and not list(ckpt.glob("*.partial"))
     stopped_at = max(step_losses(tmp_path / "first"))
-    assert stopped_at < STEPS - 3
+    assert stopped_at < ROOM - 3
     stop = callback("models.StopAfter", step=stopped_at + 3)
-    resume = [*layout, "--ckpt_path=last", checkpoint_every(ckpt, STEPS), stop]
-    assert_ok(fit(config, tmp_path / "resumed", *common(corpus, tmp_path / "cache"), *resume))
+    resume = [*layout, "--ckpt_path=last", checkpoint_every(ckpt, ROOM), stop]
+    assert_ok(fit(config, tmp_path / "resumed", *common(corpus, tmp_path / "cache", steps=ROOM), *resume))
     resumed = step_losses(tmp_path / "resumed")
     assert sorted(resumed) == [stopped_at + 1, stopped_at + 2]  # nothing lost, nothing repeated
-    straight = baseline("plain").losses()
-    assert_same_losses({s: straight[s] for s in resumed}, resumed)
+    assert_same_losses({s: straight_one[s] for s in resumed}, resumed)
 
 
 ASYNC = "--trainer.strategy.async_checkpoint=true"
@@ -749,7 +756,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_for_last
     straight = straight_fsdp2
     ckpt = tmp_path / "ckpt"
     run = [
-        *common(corpus, tmp_path / "cache"),
+        *common(corpus, tmp_path / "cache", steps=ROOM),
         *FSDP2,
         "--trainer.strategy.timeout=30",
         *FSDP2,
@@ -764,7 +771,7 @@ def test_sigkill_in_the_middle_of_a_save_leaves_the_previous_checkpoint_for_last
     assert not (ckpt / "epoch=0-step=8.ckpt").exists()
     assert_ok(fit("hybrid.yaml", tmp_path / "resumed", *run, "--ckpt_path=last"))
     resumed = step_losses(tmp_path / "resumed")
-    assert sorted(resumed) == list(range(4, STEPS))
+    assert sorted(resumed) == list(range(4, ROOM))
     assert_same_losses({s: straight[s] for s in resumed}, resumed, rtol=1e-6)
 
 
@@ -836,8 +843,8 @@ def test_a_single_file_checkpoint_round_trips_and_loads_in_another_layout(tmp_pa
 
 
 def test_2x2_resume_mid_epoch_continues_exactly(saved, resumed_2x2):
-    """The shared [[2, 2]] run resumed from its step-5 checkpoint (the run `resumed_2x2` makes: the checkpoint is
-    found as `last`) gives the uninterrupted run's steps 5-9."""
+    """The shared [[2, 2]] run resumed from its step-`RESUME_AT` checkpoint (the run `resumed_2x2` makes: the
+    checkpoint is found as `last`) gives the uninterrupted run's steps from there."""
     losses, _ = saved
     resumed = resumed_2x2
     assert sorted(resumed) == list(range(RESUME_AT, STEPS))
@@ -846,8 +853,8 @@ def test_2x2_resume_mid_epoch_continues_exactly(saved, resumed_2x2):
 
 @pytest.mark.parametrize("config", ["1f1b.yaml", "single.yaml"])
 def test_resume_mid_epoch_continues_exactly(tmp_path, corpus, reference, config):
-    """A run checkpointed at step 5 of 10, then the same run resumed from that checkpoint: one process is
-    Lightning's own strategy with parallelkit's data position."""
+    """A run checkpointed half-way (step `RESUME_AT` of `STEPS`), then the same run resumed from that checkpoint: one
+    process is Lightning's own strategy with parallelkit's data position."""
     run = reference(config)
     assert_ok(fit(config, tmp_path, *common(corpus, tmp_path / "cache"), f"--ckpt_path={run.checkpoint}"))
     resumed, straight = step_losses(tmp_path), run.losses()

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from snippets import parallelkit_args
-from support import STEPS, assert_ok, assert_same_losses, callback, fit, fit_command, step_losses
+from support import LEARNED, STEPS, assert_ok, assert_same_losses, callback, fit, fit_command, step_losses
 from support import common as run_args
 from test_plugins import install_fake_distribution
 
@@ -118,7 +118,7 @@ def test_int8_hook_sends_a_quarter_of_the_bytes_and_still_trains(runs):
     for step in fp32:
         assert int8[step] == fp32[step] / 4 + 3 * 4 * 4
     losses, exact = step_losses(runs["int8"]), step_losses(runs["fp32"])
-    assert losses[STEPS - 1] < losses[0] - 1.0
+    assert losses[STEPS - 1] < losses[0] - LEARNED
     assert_same_losses(exact, losses, rtol=0.02)
     assert max(abs(losses[s] - exact[s]) for s in exact) > 1e-4  # the hook is applied (measured: 1e-2 apart)
 
@@ -225,7 +225,7 @@ def ddp(hook: str) -> list[str]:
 
 def test_ddp_hooks_apply_on_cpu_with_the_bytes_they_claim(tmp_path, corpus, baseline, ddp_fp32):
     """fp32 and bf16 on ddp.yaml's 2 processes; the fp32 run is the session's `ddp_fp32` (the same flags as
-    `ddp("fp32")`, shared with test_checkpoint.py). The bf16 hook's run also computes in bf16-mixed (Lightning's
+    `ddp("fp32")`, shared with test_cli.py). The bf16 hook's run also computes in bf16-mixed (Lightning's
     autocast under DDP, whose gradients stay fp32: the hook still halves them): DDP's bf16 run."""
     bf16 = (*ddp("bf16"), "--trainer.precision=bf16-mixed")
     assert_ok(fit("ddp.yaml", tmp_path / "bf16", *common(corpus, tmp_path / "cache")[:-1], *bf16))

@@ -57,7 +57,7 @@ LAYOUTS = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory, corpus, pretrained) -> Path:
-    """10 steps of fine-tuning from the pretrained directory under each layout (meta_init: every process reads only
+    """`STEPS` steps of fine-tuning from the pretrained directory under each layout (meta_init: every process reads only
     the tensors' parts it holds); the 2 x 2 run checkpoints at its last step."""
     root = tmp_path_factory.mktemp("finetune")
     for name, layout in LAYOUTS.items():
@@ -112,7 +112,7 @@ def test_export_writes_what_from_pretrained_loads_bit_equal_to_the_trained_weigh
     for key, value in state.items():
         assert torch.equal(value, weights[f"model.{key}"]), key
     before = AutoModelForCausalLM.from_pretrained(pretrained).state_dict()
-    assert not any(torch.equal(value, before[key]) for key, value in state.items())  # 10 steps moved every tensor
+    assert not any(torch.equal(value, before[key]) for key, value in state.items())  # the steps moved every tensor
     model = HFCausalLM(pretrained=str(pretrained))
     model.load_state_dict(weights)
     tokens = torch.randint(0, 256, (2, 16))

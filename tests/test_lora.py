@@ -150,7 +150,7 @@ def test_lora_on_tp2_adds_no_gather_and_holds_a_fraction_of_full_fine_tunings_st
     parameters plus 3 x the adapters (full fine-tuning: 4 x the parameters)."""
     with_lora = lora_run(reference, pretrained, state_dir, "tp2").log
     full = tmp_path / "full"
-    steps = common(corpus, tmp_path / "cache", steps=3)
+    steps = common(corpus, tmp_path / "cache", steps=RESUME_AT - 1)  # the reference's steps before its checkpoint
     disable = "--model.init_args.lora=null"
     assert_ok(fit(CONFIG, full, *steps, *from_base(pretrained, disable, *TP2, state_bytes(state_dir / "full_tp2"))))
     # Exact, per step, for this 2-layer Llama (L = 2): no weight is gathered (fsdp is 1; tp splits every weight once)
@@ -163,7 +163,8 @@ def test_lora_on_tp2_adds_no_gather_and_holds_a_fraction_of_full_fine_tunings_st
     expected = {"all_gather": (11.0, 12.0), "reduce_scatter": (8.0, 9.0)}
     for kind in ("all_gather", "reduce_scatter"):
         counts = [step_losses(log, f"comm/{kind}_count") for log in (with_lora, full)]
-        assert [{counts[i][s] for s in range(3)} for i in range(2)] == [{n} for n in expected[kind]], (kind, counts)
+        compared = range(RESUME_AT - 1)  # the checkpoint's save gathers too, in the step before RESUME_AT
+        assert [{counts[i][s] for s in compared} for i in range(2)] == [{n} for n in expected[kind]], (kind, counts)
     lora = [json.loads(p.read_text()) for p in sorted((state_dir / "lora_tp2").glob("rank*.json"))]
     whole = [json.loads(p.read_text()) for p in sorted((state_dir / "full_tp2").glob("rank*.json"))]
     assert len(lora) == len(whole) == 2
@@ -198,12 +199,12 @@ def test_lora_checkpoint_holds_the_adapters_and_resumes_exactly_on_2x2_and_in_on
 def test_exported_adapters_load_with_peft_and_the_merged_model_with_transformers_giving_parallelkits_logits(
     tmp_path, corpus, reference, pretrained
 ):
-    """The [[2, 2]] run's step-5 adapters: `export-hf --adapters` writes PEFT's format, which
+    """The [[2, 2]] run's adapters at step `RESUME_AT`: `export-hf --adapters` writes PEFT's format, which
     `PeftModel.from_pretrained` puts on the base model; `export-hf` merges them into the base weights. Both give
     the logits of parallelkit's model holding those adapters, within 1e-5."""
     ckpt = lora_run(reference, pretrained, None, "2x2").checkpoint
     place = {
-        "runs/lora/checkpoints/last.ckpt": str(ckpt),  # its step-5 checkpoint
+        "runs/lora/checkpoints/last.ckpt": str(ckpt),  # its step-`RESUME_AT` checkpoint
         "/data/my-adapter": str(tmp_path / "adapters"),
         "/data/Llama-3.2-1B-merged": str(tmp_path / "merged"),
         "/data/Llama-3.2-1B": str(pretrained),

@@ -52,7 +52,7 @@ def test_rotary_table_is_one_operator_in_a_compiled_graph():
 
 
 def test_the_learning_rate_warms_up_linearly_then_decays_on_a_cosine_toward_its_floor_as_the_run_ends():
-    """The configs' schedule past their 10 warmup steps, which the parity runs (10 steps: support.STEPS) no longer
+    """The configs' schedule past their 10 warmup steps, which the parity runs (`support.STEPS`: 6) never
     reach: the run's length (Lightning's `estimated_stepping_batches`, `max_steps` here) sets the decay."""
     from types import SimpleNamespace
 

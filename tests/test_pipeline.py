@@ -4,6 +4,7 @@ import pytest
 import torch
 from snippets import parallelkit_args
 from support import (
+    LEARNED,
     RESUME_AT,
     STEPS,
     assert_ok,
@@ -100,7 +101,7 @@ def test_pipeline_matches_single_process_losses(tmp_path, corpus, baseline, name
     assert_ok(fit(config, tmp_path, *common(corpus, tmp_path / "cache"), *extra, real_launch=real_launch))
     losses = step_losses(tmp_path)
     assert_same_losses(baseline(expected).losses(), losses)
-    assert losses[STEPS - 1] < losses[0] - 1.0
+    assert losses[STEPS - 1] < losses[0] - LEARNED
     if expected == "val":
         assert_same_losses(baseline(expected).losses("val_loss"), step_losses(tmp_path, "val_loss"))
     if "compiled" in name:
@@ -144,12 +145,11 @@ def test_accumulation_reduces_each_stages_gradients_once_per_optimizer_step(tmp_
     """ZB-V on pp=2 x fsdp=2 with accumulate_grad_batches=2: the stages' reduce-scatters run on the last micro-step
     only (torch's schedules would run them after every micro-step: 4 per optimizer step on rank 0, measured before
     the strategy held them back), and the losses are one process's with the same accumulation."""
-    steps = 8
     assert_ok(
         fit(
             "interleaved.yaml",
             tmp_path,
-            *common(corpus, tmp_path / "cache", steps=steps),
+            *common(corpus, tmp_path / "cache"),
             "--trainer.strategy.schedule=zbv",
             "--trainer.devices=4",
             '--trainer.strategy.mesh_shape=[[2, 2], ["pp", "fsdp"]]',
@@ -166,8 +166,7 @@ def test_accumulation_reduces_each_stages_gradients_once_per_optimizer_step(tmp_
     held = sum(p.numel() for name in ("tok_emb", "norm", "head") for p in model.get_submodule(name).parameters())
     assert set(step_losses(tmp_path, "comm/reduce_scatter_count").values()) == {2.0}
     assert set(step_losses(tmp_path, "comm/reduce_scatter_bytes").values()) == {4.0 * held}
-    expected = baseline("accumulate").losses()
-    assert_same_losses({s: expected[s] for s in range(steps)}, step_losses(tmp_path))
+    assert_same_losses(baseline("accumulate").losses(), step_losses(tmp_path))
 
 
 def test_zero_bubble_schedules_refuse_what_they_cannot_run():

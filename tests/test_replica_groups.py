@@ -176,8 +176,8 @@ def two_groups(directory: Path, lighthouse: str, config: str, strategy: tuple, *
 
 LAYOUTS_IN_GROUPS = {
     # SFT packed rows (each step's loss divided by the targets of the groups taking part), cp2 inside each group,
-    # 2 accumulated micro-batches of 2 rows a group: the global batch of 8 rows of one process. Step 3's commit fails
-    # in both groups (both try it again, its first micro-batch run again); step 7's in group 1 alone (the other
+    # 2 accumulated micro-batches of 2 rows a group: the global batch of 8 rows of one process. Step 2's commit fails
+    # in both groups (both try it again, its first micro-batch run again); step 4's in group 1 alone (the other
     # commits it: group 1 falls behind and heals in place).
     "cp2_sft_packed_accumulate2": (
         "sft.yaml",
@@ -185,8 +185,8 @@ LAYOUTS_IN_GROUPS = {
         *SFT_GPT,
         "--data.init_args.batch_size=2",
         "--trainer.accumulate_grad_batches=2",
-        callback("models.FailCommit", step=3, groups=[0, 1]),
-        callback("models.FailCommit", step=7, groups=[1]),
+        callback("models.FailCommit", step=2, groups=[0, 1]),
+        callback("models.FailCommit", step=4, groups=[1]),
     ),
     "1f1b_pp2_fsdp2": (
         "hybrid.yaml",
@@ -232,7 +232,7 @@ def test_every_layout_inside_two_groups_equals_one_process(tmp_path, corpus, bas
         retries = [step_losses(log, "ft/retries") for log in logs]
         assert [retries[0][STEPS - 1], retries[1][STEPS - 1]] == [1.0, 2.0], retries
         healed = step_losses(logs[1], "ft/copied_steps")
-        assert [healed[step] for step in (6, 7)] == [0.0, 1.0] and step_losses(logs[1], "ft/committed")[7] == 0.0
+        assert [healed[step] for step in (3, 4)] == [0.0, 1.0] and step_losses(logs[1], "ft/committed")[4] == 0.0
 
 
 def test_what_replica_groups_cannot_take_is_refused_before_launch(tmp_path, monkeypatch):
