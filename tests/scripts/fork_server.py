@@ -264,7 +264,7 @@ def parse_once() -> None:
             raise _Parsed
 
     config = Path(__file__).resolve().parents[2] / "configs" / "hybrid.yaml"
-    with contextlib.suppress(_Parsed):
+    with contextlib.suppress(_Parsed), contextlib.redirect_stdout(sys.stderr):  # stdout is the protocol's
         ParseOnly(args=["fit", "--config", str(config)])
 
 
