@@ -35,7 +35,8 @@ class FutureStrategy(DDPStrategy):
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A site directory as pip leaves it, with three third-party plugins: one broken at import, one good (whose
-    second name clashes with Lightning's `ddp`), one written for a plugin API from the future."""
+    second name clashes with Lightning's `ddp`), one written for a plugin API from the future; and a fourth as pip
+    leaves it while it installs or uninstalls one, without METADATA."""
     site = tmp_path_factory.mktemp("plugins") / "site"
     install_fake_distribution(
         site,
@@ -54,6 +55,11 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     install_fake_distribution(
         site, "parallelkit-future", "pk_future", FUTURE, "[parallelkit.strategies]\nfuture = pk_future:FutureStrategy\n"
     )
+    # One pip is installing or removing: its entry points there, its METADATA not (yet, or any more).
+    install_fake_distribution(
+        site, "parallelkit-half", "pk_half", GOOD, "[parallelkit.strategies]\nhalf = pk_half:GoodStrategy\n"
+    )
+    (site / "parallelkit_half-0.3.dist-info" / "METADATA").unlink()
     return site
 
 
@@ -95,12 +101,16 @@ def test_plugin_for_another_api_version_warns_with_both_versions_and_still_regis
 
 
 def test_plugins_command_lists_good_and_broken_plugins(site: Path):
+    """...and one whose distribution has no METADATA (mid-install), as of an unknown distribution: a run on another
+    worker once failed in every rank, sorting plugins by a distribution name that was None, while a test reinstalled
+    a plugin with pip."""
     proc = parallelkit("plugins", cwd=site.parent, PYTHONPATH=str(site))
     assert_ok(proc)
     rows = proc.stdout
     assert "good" in rows and "parallelkit-good 0.3" in rows
     assert "broken" in rows and "RuntimeError: boom at import" in rows
     assert "name clash" in rows
+    assert "half" in rows and "<unknown> ?" in rows
 
 
 def test_builtin_strategies_are_registered_when_the_registry_is_read():

@@ -79,12 +79,14 @@ _found: dict[str, list[Plugin]] = {}
 
 def _load(ep: EntryPoint, group: str) -> Plugin:
     dist = getattr(ep, "dist", None)
+    # A distribution's name and version come from its METADATA file, which is missing while pip writes or removes
+    # the distribution (its entry points already, or still, there): unknown then, as for an entry point with none.
     plugin = Plugin(
         group=group,
         name=ep.name,
         target=ep.value,
-        distribution=dist.name if dist is not None else "<unknown>",
-        version=dist.version if dist is not None else "?",
+        distribution=(dist.name if dist is not None else None) or "<unknown>",
+        version=(dist.version if dist is not None else None) or "?",
     )
     try:
         plugin.obj = ep.load()
