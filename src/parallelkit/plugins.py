@@ -85,8 +85,8 @@ def _load(ep: EntryPoint, group: str) -> Plugin:
         group=group,
         name=ep.name,
         target=ep.value,
-        distribution=(dist.name if dist is not None else None) or "<unknown>",
-        version=(dist.version if dist is not None else None) or "?",
+        distribution=getattr(dist, "name", None) or "<unknown>",
+        version=getattr(dist, "version", None) or "?",
     )
     try:
         plugin.obj = ep.load()
