@@ -334,7 +334,7 @@ def test_compiled_blocks_match_one_process_and_checkpoints_cross_between_compile
     tmp_path, corpus, baselines, reference
 ):
     """compile=true on [[2, 2]] (inductor per block, inside tensor parallelism with sequence parallelism, under FSDP,
-    meta_init) and compile_optimizer=true (AdamW's update over the DTensor shards, its lr new every step), resuming
+    meta_init) and compile_optimizer=true (AdamW's update traced over the local shards, its lr new every step), resuming
     the eager reference run's checkpoint at `RESUME_AT`: its steps from there equal one process's, and torch.compile
     did build graphs (an ignored flag fails). Its own checkpoint a step later then resumes eager, giving one process's
     last two steps: checkpoint names and optimizer states are the eager ones both ways. The update's own graphs (those

@@ -1,5 +1,7 @@
 """`compile_optimizer`'s mechanics in one process: the closure eager, the update compiled once, floats kept."""
 
+from collections.abc import Callable
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -136,3 +138,79 @@ def test_gradients_take_their_parameters_placements_after_backward_without_fsdp(
         for name, param in params.items():
             assert param.grad.placements == param.placements, name
             assert param.grad.to_local().shape == param.to_local().shape, name
+
+
+ELEMENTWISE_CASES = {
+    "adamw": lambda params: torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1),
+    "adam_amsgrad": lambda params: torch.optim.Adam(params, lr=1e-2, amsgrad=True),
+    "sgd_nesterov": lambda params: torch.optim.SGD(params, lr=1e-2, momentum=0.9, nesterov=True),
+}
+
+
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.parametrize("make", ELEMENTWISE_CASES.values(), ids=ELEMENTWISE_CASES.keys())
+def test_an_elementwise_update_is_compiled_over_the_local_shards_and_equals_the_dtensor_update(make):
+    """compile_step on an `ELEMENTWISE` optimizer traces the update over the shards' local tensors: each step equals
+    the eager update of the DTensors, the state stays the DTensors it was (the first step, eager, made them), the
+    update is compiled once, and a state tensor replaced in between (as a loaded checkpoint replaces them) is the
+    one the next update reads and writes. Rank 0 of a fake two-process group: a row-sharded matrix beside a plain
+    vector."""
+    from torch._dynamo import lookup_backend
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Shard
+
+    from parallelkit.compat import fake_process_group
+    from parallelkit.optimizers.compiled import LocalShards
+
+    with fake_process_group(rank=0, world_size=2):
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("fsdp",))
+
+        def parameters() -> list[torch.nn.Parameter]:
+            torch.manual_seed(0)
+            matrix = DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)], run_check=False)
+            return [torch.nn.Parameter(matrix), torch.nn.Parameter(torch.randn(3))]
+
+        def give_gradients(params: list[torch.nn.Parameter], step: int) -> None:
+            torch.manual_seed(100 + step)
+            params[0].grad = DTensor.from_local(torch.randn(4, 3), mesh, [Shard(0)], run_check=False)
+            params[1].grad = torch.randn(3)
+
+        eager_params, params = parameters(), parameters()
+        eager, optimizer = make(eager_params), make(params)
+        torch._dynamo.reset()
+        counters.clear()
+        traced: list[type] = []  # the types of the tensors the update's graphs take
+
+        def aot_eager(graph: torch.fx.GraphModule, inputs: list) -> Callable:
+            traced.extend(type(tensor) for tensor in inputs if isinstance(tensor, torch.Tensor))
+            return lookup_backend("aot_eager")(graph, inputs)
+
+        compile_step(optimizer, backend=aot_eager)
+        built = []
+        for step in range(4):
+            for ps, opt in ((eager_params, eager), (params, optimizer)):
+                if step == 2:  # a state tensor replaced by another (new values), as a checkpoint loaded does
+                    state = opt.state[ps[0]]
+                    key = next(k for k, v in state.items() if isinstance(v, DTensor))
+                    state[key] = state[key] * 0.5
+                give_gradients(ps, step)
+                opt.step()
+            built.append(counters["stats"]["unique_graphs"])
+            for mine, theirs in zip(params, eager_params):
+                torch.testing.assert_close(mine.detach(), theirs.detach(), rtol=1e-6, atol=1e-7)
+        assert built[0] == 0 and built[1] > 0  # the first step creates the state, eager
+        assert built[2] == 2 * built[1] and built[3] == built[2]  # once more for the replaced state, then no more
+        assert traced and DTensor not in traced  # the shards' tensors, not the DTensors
+        for name, value in optimizer.state[params[0]].items():
+            theirs = eager.state[eager_params[0]][name]
+            assert type(value) is type(theirs), name
+            if isinstance(value, DTensor):
+                assert value.placements == (Shard(0),)
+            torch.testing.assert_close(value, theirs, rtol=1e-6, atol=1e-7)
+        # A gradient still a pending sum is not its parameter's layout: that step's update runs with the DTensors.
+        shards = LocalShards(optimizer)
+        give_gradients(params, 4)
+        shards.stepped()
+        assert shards.ready()
+        params[0].grad = DTensor.from_local(torch.randn(8, 3), mesh, [Partial()], run_check=False)
+        assert not shards.ready()

@@ -89,8 +89,9 @@ class ParallelkitStrategy(ParallelSteps, ShardedCheckpoints, ModelParallelStrate
         compile_optimizer: Compile the optimizer's update too (`parallelkit.optimizers.compiled.compile_step`;
             `compile`'s backend, inductor if that is off): one graph of fused kernels over the local shards instead
             of a dozen DTensor operations per parameter (AdamW, 4 x 256 GPT on two CPU processes: 10.4 -> 3.3 ms a
-            step). Compiles at the first step (seconds to tens of seconds on the CPU); learning-rate schedules do not
-            recompile it, and checkpoints are an eager optimizer's.
+            step). AdamW, Adam and SGD are traced over the local shards themselves, others over the DTensors.
+            Compiles at the second step (the first, eager, creates the state; seconds to tens of seconds on the
+            CPU); learning-rate schedules do not recompile it, and checkpoints are an eager optimizer's.
         cpu_offload: Keep sharded parameters, gradients and optimizer states in CPU memory (FSDP2; GPU runs).
         comm_precision: How gradients are reduced: a comm hook name ("fp32" default, "bf16", "fp16", "int8", or
             one a plugin registers) or a `parallelkit.comm.CommHook`.
