@@ -339,7 +339,8 @@ def test_compiled_blocks_match_one_process_and_checkpoints_cross_between_compile
     did build graphs (an ignored flag fails). Its own checkpoint a step later then resumes eager, giving one process's
     last two steps: checkpoint names and optimizer states are the eager ones both ways. The update's own graphs (those
     `optimizer.step` builds after its closure) are counted apart: none if `setup_optimizers` left the step eager.
-    (20 compiled steps from scratch: 1.4e-7 from one process, by hand; two compiled runs cost CI a minute more.)"""
+    (20 compiled steps from scratch: 1.5e-7 from one process, by hand; two compiled runs would cost CI half a minute
+    more.)"""
     compiled, eager = tmp_path / "compiled", tmp_path / "eager"
     run = [*common(corpus, tmp_path / "cache"), callback("models.CompiledGraphs")]
     resume = f"--ckpt_path={reference('hybrid.yaml').checkpoint}"
