@@ -3,8 +3,8 @@
 Rooms:
 - `muon`: `Muon` (torch's Muon on the hidden matrices, whole across shards, AdamW on the rest) and `hidden_matrices`,
   the rule that picks them;
-- `compiled`: the optimizer's update compiled (`compile_step`), and plain tensors replicated beside DTensors for a
-  foreach update;
+- `compiled`: the optimizer's update compiled (`compile_step`; AdamW, Adam and SGD traced over their DTensors' local
+  shards, `LocalShards`), and plain tensors replicated beside DTensors for a foreach update;
 - `grad_norm`: the gradient's norm over every shard and stage (`global_grad_norm`, `clip_grad_norm_`), and the
   gradients of tensor-parallel parameters settled without FSDP.
 
