@@ -101,13 +101,14 @@ class LocalShards:
             for p in group["params"]:
                 if p.grad is not None and p not in self.known:
                     return False
-                state = self.optimizer.state.get(p, {})
+                state = self.optimizer.state.get(p)
+                values = () if state is None else tuple(state.values())
                 if isinstance(p, DTensor):
-                    tensors = [v for v in (p.grad, *state.values()) if isinstance(v, torch.Tensor) and v.dim()]
+                    tensors = [v for v in (p.grad, *values) if isinstance(v, torch.Tensor) and v.dim()]
                     if not all(isinstance(v, DTensor) and v.placements == p.placements for v in tensors):
                         return False
                     made_from.append(storage_key(p))
-                made_from.extend(map(id, (p, state, *state.values())))
+                made_from.extend((id(p), state is not None and id(state), *map(id, values)))
         if made_from != self.made_from:
             self.made_from = made_from
             self._view()
