@@ -108,7 +108,7 @@ class LocalShards:
                     if not all(isinstance(v, DTensor) and v.placements == p.placements for v in tensors):
                         return False
                     made_from.append(storage_key(p))
-                made_from.extend((id(p), state is not None and id(state), *map(id, values)))
+                made_from.extend(map(id, (p, state, *values)))  # state None: id(None), the same each step
         if made_from != self.made_from:
             self.made_from = made_from
             self._view()
