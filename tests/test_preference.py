@@ -15,7 +15,7 @@ import torch.nn.functional as F
 import transformers
 from models import TINY_LLAMA
 from snippets import parallelkit_args
-from support import REPO, assert_ok, checkpoint_every, fit, fit_command, made_once, parallelkit, run
+from support import assert_ok, checkpoint_every, fit, fit_command, made_once, parallelkit, script
 
 from parallelkit.data import PreferenceDataModule
 from parallelkit.data.chat import builtin_pairs, builtin_tokenizer, load_tokenizer
@@ -63,12 +63,7 @@ def trl(tmp_path_factory: pytest.TempPathFactory, sft_export: Path) -> dict[str,
     def make(directory: Path) -> None:
         pairs = sft_export.parent / "pairs.jsonl"
         args = [str(sft_export), str(pairs), str(directory / "trl.json"), f"--steps={STEPS}"]
-        assert_ok(
-            run(
-                ["python", str(REPO / "tests/scripts/trl_dpo.py"), *args, "--variants", json.dumps(TRL_VARIANTS)],
-                cwd=directory,
-            )
-        )
+        assert_ok(script("trl_dpo.py", *args, "--variants", json.dumps(TRL_VARIANTS), cwd=directory))
 
     return json.loads((made_once(tmp_path_factory, "preference-trl", make) / "trl.json").read_text())
 
