@@ -111,8 +111,8 @@ def torchrun(script: str, nproc: int, *args: str, cwd: Path, timeout: float = 60
 
 
 def script(name: str, *args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
-    """`python tests/scripts/<name> ARGS`, a Python-API script whose Trainer launches its ranks (forked as `launch`
-    forks the CLI's)."""
+    """`python tests/scripts/<name> ARGS`, forked as `launch` forks the CLI's: a Python-API script whose Trainer
+    launches its ranks, or a one-process reference (TRL's trainer, `trl_dpo.py`)."""
     return launch(list(args), cwd=cwd, script=str(SCRIPTS / name)).result(timeout)
 
 
